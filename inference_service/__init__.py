@@ -1,0 +1,1 @@
+"""The inference worker: model runtime, LoRA layers, slot pool, scheduler, engine, gRPC servicer."""

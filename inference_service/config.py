@@ -1,0 +1,47 @@
+"""EngineConfig: the one configuration of an inference worker process."""
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import InvalidArgument
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # HF model folder
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 4  # adapter slots on the device; distinct adapters in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 8  # ready adapters kept in host memory
+    max_num_seqs: int = 32  # running sequences
+    max_num_batched_tokens: int = 512  # tokens in one step (decode + prefill chunks)
+    max_model_len: int = 4096  # prompt + generated tokens of one sequence, capped by the model's own
+    kv_cache_tokens: int = 32768  # capacity of the paged KV cache, in token positions
+    block_size: int = 16  # token positions per KV cache block
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidArgument(f"device {self.device!r} is neither 'cpu' nor 'cuda[:N]'")
+        for name in (
+            "max_lora_rank",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "kv_cache_tokens",
+            "block_size",
+        ):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_loras", "max_cpu_loras"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"{name} must not be negative, got {getattr(self, name)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

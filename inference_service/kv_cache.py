@@ -1,0 +1,54 @@
+"""The paged KV cache: fixed-size blocks of token positions, handed to sequences as they grow."""
+
+import torch
+
+
+class KVCache:
+    """k and v of every layer, [layers, blocks, block_size, kv_heads, head_dim] each.
+
+    A sequence's positions live in the blocks of its block table, in order; position p is
+    row p % block_size of block table[p // block_size].
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+
+class BlockAllocator:
+    """Free list of cache blocks. Blocks are handed out and taken back whole."""
+
+    def __init__(self, num_blocks: int):
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise MemoryError(f"KV cache has {len(self._free)} free blocks, {count} needed")
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
+        return taken[::-1]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))

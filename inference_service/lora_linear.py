@@ -1,0 +1,75 @@
+"""A base linear layer with N packed output slices and slot-stacked LoRA adapters on top."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.lora_batch import LoraBatch
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
+
+
+class LoRALinear(nn.Module):
+    """y = x W^T + b, plus for each token B[slot] (A[slot] x) of its adapter slot, per slice.
+
+    q/k/v (3 slices) and gate/up (2 slices) run as one base matmul; the LoRA buffers keep the
+    slices apart because an adapter may target some of them only. Layout:
+    A: [max_loras, slices, max_rank, in]   one shrink matmul per slot covers every slice;
+    B: [max_loras, out, max_rank]           slices concatenated along `out`, so uneven slices
+                                            (q vs k/v under GQA) need no padding.
+    Scaling is merged into B when an adapter is loaded.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        slice_sizes: tuple[int, ...],
+        bias: bool,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        out_features = sum(slice_sizes)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        self.slices = _slice_offsets(slice_sizes)
+        slots = (max_loras, len(slice_sizes), max_rank)
+        self.register_buffer("lora_a", torch.zeros(*slots, in_features, dtype=dtype, device=device))
+        self.register_buffer(
+            "lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        )
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [tokens, out]
+        if lora is None or not lora.segments:
+            return y
+        buf = lora_shrink(x, self.lora_a, lora)  # [tokens, slices, rank]
+        return lora_expand(y, buf, self.lora_b, self.slices, lora)
+
+    def set_slice(self, slot: int, slice_index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Write one adapter's A [rank, in] and scaled B [slice_out, rank] for one slice; ranks
+        below max_rank are zero-padded."""
+        rank = a.shape[0]
+        offset, size = self.slices[slice_index]
+        self.lora_a[slot, slice_index, :rank].copy_(a, non_blocking=True)
+        self.lora_b[slot, offset : offset + size, :rank].copy_(b, non_blocking=True)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+
+def _slice_offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    offsets, start = [], 0
+    for size in sizes:
+        offsets.append((start, size))
+        start += size
+    return tuple(offsets)

@@ -1,0 +1,41 @@
+"""Domain errors, one class per gRPC status they map to.
+
+Code raises these with a message naming the thing at fault; the gRPC layer maps the class to a
+status code in one place, so no module below it imports grpc.
+"""
+
+
+class LoramuxError(Exception):
+    """Base of every error a user can act on."""
+
+
+class InvalidArgument(LoramuxError):
+    """Malformed request or checkpoint, bad sampling values, rank > max, shape mismatch."""
+
+
+class NotFound(LoramuxError):
+    """Unknown adapter or file."""
+
+
+class AlreadyExists(LoramuxError):
+    """Adapter exists with different content."""
+
+
+class FailedPrecondition(LoramuxError):
+    """Adapter incompatible with the base model; delete of a pinned adapter without force."""
+
+
+class ResourceExhausted(LoramuxError):
+    """Admission queue full."""
+
+
+class Unavailable(LoramuxError):
+    """Store unreachable, shutting down, not ready."""
+
+
+class PermissionDenied(LoramuxError):
+    """Wrong token, source outside the allowed roots, bucket not allowed."""
+
+
+class Unauthenticated(LoramuxError):
+    """Missing token."""

@@ -1,0 +1,175 @@
+"""The base model's architecture, read from an HF config.json (Llama, Mistral, Qwen2)."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import FailedPrecondition, InvalidArgument
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# PEFT module name -> (packed module, slice index). q/k/v and gate/up run as one matmul each.
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+# Where each PEFT module sits inside a decoder layer, as HF names it.
+MODULE_PARENTS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear layer of a decoder block: its packed home and its weight shape."""
+
+    packed: str
+    slice_index: int
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgument(
+                f"config.json: num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise InvalidArgument(f"model folder {model_dir} has no config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            supported = ", ".join(SUPPORTED_MODEL_TYPES)
+            raise FailedPrecondition(f"config.json: model_type {model_type!r} is not supported ({supported})")
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        is_qwen2 = model_type == "qwen2"
+        window = cfg.get("sliding_window")
+        if is_qwen2 and not cfg.get("use_sliding_window", False):
+            window = None
+        eos = cfg.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=_rope_config(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=is_qwen2 or cfg.get("attention_bias", False),
+            o_bias=not is_qwen2 and cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            sliding_window=window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, LinearShape]:
+        """PEFT module name -> shape, for the linear layers LoRA may target in every block."""
+        h, i = self.hidden_size, self.intermediate_size
+        in_out = {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        return {
+            name: LinearShape(*PACKED_MODULES[name], in_features=fin, out_features=fout)
+            for name, (fin, fout) in in_out.items()
+        }
+
+    def packed_slices(self) -> dict[str, tuple[int, ...]]:
+        """Packed module -> output size of each slice, in slice order."""
+        slices: dict[str, list[int]] = {}
+        for shape in self.linear_shapes().values():
+            slices.setdefault(shape.packed, []).append(shape.out_features)
+        return {name: tuple(sizes) for name, sizes in slices.items()}
+
+    def packed_in_features(self) -> dict[str, int]:
+        return {s.packed: s.in_features for s in self.linear_shapes().values()}
+
+
+def _rope_config(cfg: dict) -> RopeConfig:
+    # transformers 5 writes rope_parameters (theta inside); older configs write rope_theta and
+    # an optional rope_scaling dict.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise FailedPrecondition(
+            f"config.json: rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )

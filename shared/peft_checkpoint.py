@@ -1,0 +1,277 @@
+"""Read a PEFT LoRA checkpoint folder, refuse what we cannot serve exactly, and return its
+weights ready to serve: per (layer, module) A and B with the scaling merged into B."""
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from shared.errors import FailedPrecondition, InvalidArgument
+from shared.model_config import MODULE_PARENTS, ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
+CHECKPOINT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
+TENSOR_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
+)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The parts of adapter_config.json that decide the math."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str
+    rank_pattern: dict
+    alpha_pattern: dict
+
+    @classmethod
+    def from_json(cls, cfg: dict, where: str) -> "LoraConfig":
+        _refuse_unsupported(cfg, where)
+        rank, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
+        if not isinstance(rank, int) or rank <= 0:
+            raise InvalidArgument(f"{where}: r must be a positive integer, got {rank!r}")
+        if not isinstance(alpha, int | float):
+            raise InvalidArgument(f"{where}: lora_alpha must be a number, got {alpha!r}")
+        targets = cfg.get("target_modules")
+        if not targets or not isinstance(targets, str | list):
+            raise InvalidArgument(
+                f"{where}: target_modules must be a non-empty list, a regex or 'all-linear'"
+            )
+        return cls(
+            rank,
+            float(alpha),
+            bool(cfg.get("use_rslora", False)),
+            targets if isinstance(targets, str) else tuple(targets),
+            dict(cfg.get("rank_pattern") or {}),
+            dict(cfg.get("alpha_pattern") or {}),
+        )
+
+    def scaling(self, module_key: str, rank: int) -> float:
+        alpha = _pattern_value(self.alpha_pattern, module_key, self.alpha)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def expected_rank(self, module_key: str) -> int:
+        return int(_pattern_value(self.rank_pattern, module_key, self.rank))
+
+
+@dataclass(frozen=True)
+class ModuleLora:
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out, rank], scaling merged
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    rank: int  # the largest module rank
+    alpha: float
+    target_modules: tuple[str, ...]  # PEFT module names with weights, e.g. ("q_proj", "v_proj")
+    modules: dict[tuple[int, str], ModuleLora]  # (layer, PEFT module name) -> weights
+
+
+def load_peft_adapter(
+    name: str, adapter_dir: str | Path, model: ModelConfig | None, max_rank: int | None, dtype: torch.dtype
+) -> AdapterWeights:
+    """Validate the checkpoint in `adapter_dir` against `model` (shapes, modules) and return
+    its weights in `dtype`. Every refusal names adapter, file, module and shapes."""
+    adapter_dir = Path(adapter_dir)
+    where = f"adapter {name!r}"
+    config = LoraConfig.from_json(_read_config(adapter_dir, where), f"{where}: {CONFIG_FILE}")
+    tensors = _read_tensors(adapter_dir, where)
+    pairs = _pair_tensors(tensors, where)
+    _check_targets(config, pairs, model, where)
+    modules = {
+        key: _module(config, key, a, b, model, max_rank, dtype, where) for key, (a, b) in pairs.items()
+    }
+    if not modules:
+        raise InvalidArgument(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    return AdapterWeights(
+        rank=max(m.a.shape[0] for m in modules.values()),
+        alpha=config.alpha,
+        target_modules=tuple(sorted({module for _, module in modules})),
+        modules=modules,
+    )
+
+
+def _refuse_unsupported(cfg: dict, where: str) -> None:
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise InvalidArgument(f"{where}: peft_type {cfg['peft_type']!r} is not LORA")
+    refusals = {
+        "use_dora": "DoRA adapters (use_dora) are not supported",
+        "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+        "fan_in_fan_out": "fan_in_fan_out weights are not supported",
+        "lora_bias": "a bias on lora_B (lora_bias) is not supported",
+        "layer_replication": "layer_replication is not supported",
+        "target_parameters": "target_parameters is not supported",
+    }
+    for key, why in refusals.items():
+        if cfg.get(key):
+            raise InvalidArgument(f"{where}: {why}")
+    if cfg.get("bias", "none") != "none":
+        raise InvalidArgument(
+            f"{where}: bias={cfg['bias']!r} trains base biases; only bias='none' is supported"
+        )
+
+
+def _read_config(adapter_dir: Path, where: str) -> dict:
+    if not adapter_dir.is_dir():
+        raise InvalidArgument(f"{where}: {adapter_dir} is not a folder")
+    path = adapter_dir / CONFIG_FILE
+    if not path.is_file():
+        raise InvalidArgument(f"{where}: {adapter_dir} has no {CONFIG_FILE}")
+    try:
+        cfg = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidArgument(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise InvalidArgument(f"{where}: {CONFIG_FILE} must hold a JSON object")
+    return cfg
+
+
+def _read_tensors(adapter_dir: Path, where: str) -> dict[str, torch.Tensor]:
+    path = adapter_dir / WEIGHTS_FILE
+    if not path.is_file():
+        pickles = [p for p in PICKLE_FILES if (adapter_dir / p).exists()]
+        if pickles:
+            raise InvalidArgument(
+                f"{where}: {pickles[0]} is a pickle checkpoint, refused because loading it can "
+                f"run arbitrary code; save the adapter with safetensors ({WEIGHTS_FILE})"
+            )
+        raise InvalidArgument(f"{where}: {adapter_dir} has no {WEIGHTS_FILE}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - not a mapping
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise InvalidArgument(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
+
+
+def _pair_tensors(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[int, str], tuple]:
+    """(layer, module) -> (lora_A, lora_B), every key accounted for."""
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = TENSOR_KEY.match(key)
+        if not m or MODULE_PARENTS.get(m[3]) != m[2]:
+            raise InvalidArgument(
+                f"{where}: tensor {key} is not a LoRA A/B matrix of a decoder linear layer "
+                f"(DoRA vectors, embeddings and modules_to_save are not supported)"
+            )
+        halves.setdefault((int(m[1]), m[3]), {})[m[4]] = tensor
+    for (layer, module), pair in halves.items():
+        if len(pair) != 2:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise InvalidArgument(f"{where}: layers.{layer}.{module} has no {missing} weight")
+    return {key: (pair["A"], pair["B"]) for key, pair in sorted(halves.items())}
+
+
+def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, where: str) -> None:
+    layers = range(model.num_layers) if model else sorted({layer for layer, _ in pairs})
+    names = [_module_key(layer, module) for layer in layers for module in MODULE_PARENTS]
+    targeted = set(_targeted(config.target_modules, names, where))
+    for layer, module in pairs:
+        if model and layer >= model.num_layers:
+            raise FailedPrecondition(
+                f"{where}: weights for layer {layer}, the base model has {model.num_layers}"
+            )
+        if _module_key(layer, module) not in targeted:
+            raise InvalidArgument(
+                f"{where}: weights for layers.{layer}.{module}, which target_modules does not name"
+            )
+
+
+def _targeted(targets: tuple[str, ...] | str, names: list[str], where: str) -> list[str]:
+    if targets == "all-linear":
+        return names
+    if isinstance(targets, str):
+        found = [n for n in names if re.fullmatch(targets, n)]
+        if not found:
+            raise FailedPrecondition(
+                f"{where}: target_modules regex {targets!r} matches no module of the base model"
+            )
+        return found
+    found = []
+    for target in targets:
+        hits = [n for n in names if n == target or n.endswith("." + target)]
+        if not hits:
+            raise FailedPrecondition(f"{where}: {_unknown_target(target)}")
+        found += hits
+    return found
+
+
+def _unknown_target(target: str) -> str:
+    if target.split(".")[-1] in UNSUPPORTED_TARGETS:
+        return f"target module {target!r}: LoRA on embeddings and lm_head is not supported"
+    return f"target module {target!r} is not in the base model (LoRA targets: {', '.join(MODULE_PARENTS)})"
+
+
+def _module(
+    config: LoraConfig,
+    key: tuple[int, str],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    model: ModelConfig | None,
+    max_rank: int | None,
+    dtype: torch.dtype,
+    where: str,
+) -> ModuleLora:
+    layer, module = key
+    label = f"{where}: layers.{layer}.{module}"
+    module_key = _module_key(layer, module)
+    for half, t in (("lora_A", a), ("lora_B", b)):
+        if t.dtype not in CHECKPOINT_DTYPES:
+            raise InvalidArgument(
+                f"{label}.{half} has dtype {t.dtype}; float16, bfloat16 or float32 expected"
+            )
+        if t.dim() != 2:
+            raise InvalidArgument(f"{label}.{half} has shape {tuple(t.shape)}, a matrix expected")
+        if not torch.isfinite(t).all():
+            raise InvalidArgument(f"{label}.{half} contains NaN or Inf values")
+    rank = a.shape[0]
+    _check_shapes(label, a, b, model.linear_shapes()[module] if model else None)
+    if rank != config.expected_rank(module_key):
+        raise InvalidArgument(
+            f"{label}.lora_A has rank {rank}, {CONFIG_FILE} says r={config.expected_rank(module_key)}"
+        )
+    if max_rank is not None and rank > max_rank:
+        raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
+    b_scaled = b.float() * config.scaling(module_key, rank)  # [out, rank]
+    return ModuleLora(a=a.to(dtype).contiguous(), b=b_scaled.to(dtype).contiguous())
+
+
+def _check_shapes(label: str, a: torch.Tensor, b: torch.Tensor, shape) -> None:
+    if b.shape[1] != a.shape[0]:
+        raise InvalidArgument(
+            f"{label}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} disagree on the rank"
+        )
+    if shape is None:
+        return
+    if a.shape[1] != shape.in_features:
+        raise InvalidArgument(
+            f"{label}.lora_A has shape {tuple(a.shape)}, the base layer takes "
+            f"{shape.in_features} inputs (expected [{a.shape[0]}, {shape.in_features}])"
+        )
+    if b.shape[0] != shape.out_features:
+        raise InvalidArgument(
+            f"{label}.lora_B has shape {tuple(b.shape)}, the base layer gives "
+            f"{shape.out_features} outputs (expected [{shape.out_features}, {b.shape[1]}])"
+        )
+
+
+def _module_key(layer: int, module: str) -> str:
+    return f"model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
+
+
+def _pattern_value(patterns: dict, module_key: str, default):
+    # PEFT matches pattern keys against the end of the module name.
+    for pattern, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module_key):
+            return value
+    return default

@@ -1,0 +1,92 @@
+"""Fixtures shared by all tests: the real default model (converted once) and tiny random models."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once into an HF folder under LORAMUX_CACHE."""
+    from inference_service.default_model import prepare_default_model
+
+    cache = Path(os.environ.get("LORAMUX_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
+    return prepare_default_model(cache)
+
+
+# Tiny random models: shapes small enough for fast tests, with GQA, and weights large enough
+# (initializer_range) that a wrong term in the math moves logits far past the tolerances.
+TINY_MODEL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# Adapters that differ in everything the math depends on: rank, alpha, rslora, and targets
+# given as "all-linear", a list and a regex.
+TINY_ADAPTERS = {
+    "all8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+    "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "mlp16rs": dict(
+        r=16, lora_alpha=32, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"]
+    ),
+    "re2": dict(r=2, lora_alpha=4, target_modules=r".*\.(k_proj|up_proj)"),
+}
+
+
+def build_tiny_model(path: Path, model_type: str = "llama", **overrides) -> Path:
+    """A random-weight HF model folder (model.safetensors + config.json), deterministic."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**TINY_MODEL, **overrides})
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def build_peft_adapter(base_dir: Path, path: Path, seed: int, **lora) -> Path:
+    """A PEFT LoRA checkpoint with random non-zero A and B (init_lora_weights=False)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **lora)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Llama (GQA), Qwen2 (qkv bias) and Mistral (sliding window) folders."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": build_tiny_model(root / "llama"),
+        "qwen2": build_tiny_model(root / "qwen2", "qwen2"),
+        "mistral": build_tiny_model(root / "mistral", "mistral", sliding_window=6),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_models, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """model type -> adapter name -> PEFT adapter folder, for every tiny model."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        model_type: {
+            name: build_peft_adapter(model_dir, root / model_type / name, seed=i + 1, **lora)
+            for i, (name, lora) in enumerate(TINY_ADAPTERS.items())
+        }
+        for model_type, model_dir in tiny_models.items()
+    }
