@@ -42,6 +42,13 @@ TINY_ADAPTERS = {
         r=16, lora_alpha=32, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"]
     ),
     "re2": dict(r=2, lora_alpha=4, target_modules=r".*\.(k_proj|up_proj)"),
+    "pattern": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "down_proj"],
+        rank_pattern={"down_proj": 6},
+        alpha_pattern={"q_proj": 3},
+    ),
 }
 
 

@@ -15,7 +15,17 @@ ATOL = 1e-4
 BASE = None
 # One row per request: its adapter (None = base model) and prompt length. Rows of one adapter
 # are split up so the batch is not grouped by slot.
-ROWS = [("all8", 7), (BASE, 5), ("qv4", 9), ("mlp16rs", 3), ("all8", 6), ("re2", 8), (BASE, 4), ("qv4", 2)]
+ROWS = [
+    ("all8", 7),
+    (BASE, 5),
+    ("qv4", 9),
+    ("mlp16rs", 3),
+    ("all8", 6),
+    ("re2", 8),
+    (BASE, 4),
+    ("qv4", 2),
+    ("pattern", 5),
+]
 DECODE_STEPS = 4
 
 

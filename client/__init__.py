@@ -1,0 +1,1 @@
+"""Python SDK and the `loramux` CLI (not built yet)."""

@@ -1,0 +1,154 @@
+"""Text <-> token ids and chat prompts for one HF model folder, without transformers.
+
+Reads tokenizer.json with the `tokenizers` library and renders the chat template with jinja2 the
+way transformers does, so a prompt built here tokenizes exactly as it would under transformers.
+"""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+from jinja2 import Template, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from shared.errors import FailedPrecondition, InvalidArgument
+
+
+class Tokenizer:
+    """One model folder's tokenizer, its special tokens and its chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        model_dir: Path,
+        tokenizer_config: dict,
+        model_config: dict,
+        chat_template: str | None,
+    ):
+        self._backend = backend
+        self._model_dir = model_dir
+        self._bos_token = _token_text(tokenizer_config.get("bos_token"))
+        self._eos_token = _token_text(tokenizer_config.get("eos_token"))
+        self._bos_token_id = self._id_of(self._bos_token, model_config.get("bos_token_id"))
+        self._eos_token_ids = self._eos_ids(model_config.get("eos_token_id"))
+        self._template = _compile(chat_template, model_dir) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise InvalidArgument(f"model folder {model_dir} has no tokenizer.json")
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        return cls(
+            backend=tokenizers.Tokenizer.from_file(str(path)),
+            model_dir=model_dir,
+            tokenizer_config=tokenizer_config,
+            model_config=_read_json(model_dir / "config.json"),
+            chat_template=_chat_template(model_dir, tokenizer_config),
+        )
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: the tokenizer's eos token and the model config's eos ids."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in it (e.g. <|im_end|>) stay one token each.
+
+        `add_special_tokens` runs the folder's post-processor (a BOS, for models that want one);
+        turn it off for rendered chat prompts, whose template already writes the BOS.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt for a conversation, as transformers' apply_chat_template(tokenize=False) renders it."""
+        if self._template is None:
+            raise FailedPrecondition(f"model folder {self._model_dir} has no chat template")
+        _check_messages(messages)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token or "",
+                eos_token=self._eos_token or "",
+            )
+        except TemplateError as e:
+            raise InvalidArgument(f"chat template of {self._model_dir} failed on these messages: {e}") from e
+
+    def _id_of(self, token: str | None, fallback: int | None) -> int | None:
+        token_id = self._backend.token_to_id(token) if token is not None else None
+        return fallback if token_id is None else token_id
+
+    def _eos_ids(self, config_eos: int | list[int] | None) -> tuple[int, ...]:
+        config_ids = config_eos if isinstance(config_eos, list) else [config_eos]
+        ids = [self._id_of(self._eos_token, None), *config_ids]
+        return tuple(dict.fromkeys(i for i in ids if i is not None))  # dedupe, keep order
+
+
+def _read_json(path: Path) -> dict:
+    """A folder's optional JSON file, or {} when it is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"{path} is not valid JSON: {e}") from e
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    """Older tokenizer_config.json files spell special tokens as serialized AddedToken dicts."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
+    """chat_template.jinja wins, as in transformers; else tokenizer_config's template (or its "default")."""
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    return template
+
+
+def _compile(source: str, model_dir: Path) -> Template:
+    # Templates ship with checkpoints from anywhere: sandboxed, and immutable so they cannot edit
+    # the caller's messages. The options are transformers' own, which templates are written for.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise InvalidArgument(f"chat template of {model_dir} does not parse: {e}") from e
+
+
+def _raise_exception(message: str):
+    """Templates call this to reject a conversation (e.g. roles that do not alternate)."""
+    raise InvalidArgument(f"chat template rejected the messages: {message}")
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list):
+        raise InvalidArgument(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidArgument(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise InvalidArgument(f"messages[{i}][{key!r}] must be a string")
