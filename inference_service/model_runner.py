@@ -17,7 +17,6 @@ class ModelRunner:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.device = torch.device(config.device)
-        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.model = LlamaModel(
             self.model_config, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device
         )

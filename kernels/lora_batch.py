@@ -41,10 +41,6 @@ class LoraBatch:
         order_t = torch.tensor(order, dtype=torch.int64, device=device)  # [tokens]
         return cls(slots, order_t, tuple(r for r in sorted_runs if r.slot >= 0))
 
-    @property
-    def num_tokens(self) -> int:
-        return self.token_slots.shape[0]
-
 
 def _runs(slots: list[int]) -> list[Segment]:
     runs: list[Segment] = []
