@@ -16,6 +16,10 @@ class EngineConfig:
     dtype: str = "float32"
     max_loras: int = 4  # adapter slots on the device; distinct adapters in one step
     max_lora_rank: int = 16
+    max_cpu_loras: int = 8  # ready adapters kept in host memory (pinned ones come on top)
+    max_num_seqs: int = 32  # running sequences
+    max_num_batched_tokens: int = 512  # tokens in one step: decode tokens plus prefill chunks
+    max_model_len: int = 4096  # prompt + generated tokens of one sequence (the model's limit caps it)
     kv_cache_tokens: int = 32768  # capacity of the paged KV cache, in token positions
     block_size: int = 16  # token positions per KV cache block
 
@@ -24,11 +28,20 @@ class EngineConfig:
             raise InvalidArgument(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidArgument(f"device {self.device!r} is neither 'cpu' nor 'cuda[:N]'")
-        for name in ("max_lora_rank", "kv_cache_tokens", "block_size"):
+        positive = (
+            "max_lora_rank",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "kv_cache_tokens",
+            "block_size",
+        )
+        for name in positive:
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_loras < 0:
-            raise InvalidArgument(f"max_loras must not be negative, got {self.max_loras}")
+        for name in ("max_loras", "max_cpu_loras"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"{name} must not be negative, got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

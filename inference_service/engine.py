@@ -1,0 +1,380 @@
+"""Engine: continuous batching of many requests over many adapters on one model.
+
+Each step runs one flattened batch (decode tokens of running sequences plus prefill chunks of
+new ones), then samples, detokenizes and emits one Delta per request that made progress.
+`generate` drives steps in the caller's thread; `start` runs them in a background thread for
+`stream`, the asyncio API. Public methods are thread-safe; a step holds the lock, so an abort
+or adapter change takes effect within one step.
+"""
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inference_service.config import EngineConfig
+from inference_service.detokenizer import IncrementalDetokenizer
+from inference_service.forward_batch import SequenceInput
+from inference_service.host_tier import HostTier, ReadyAdapter
+from inference_service.kv_cache import BlockAllocator
+from inference_service.local_loader import LocalAdapterLoader
+from inference_service.metrics import EngineMetrics
+from inference_service.model_runner import ModelRunner
+from inference_service.sampling import SamplingBatch, SamplingParams, TokenLogprobs, generator_for, sample
+from inference_service.scheduler import ScheduledChunk, Scheduler
+from inference_service.sequence import Sequence, Status
+from inference_service.slots import SlotPool
+from inference_service.tokenizer import Tokenizer
+from shared.errors import InvalidArgument, LoramuxError, NotFound
+from shared.names import check_adapter_id
+from shared.peft_checkpoint import load_peft_adapter
+
+__all__ = ["Delta", "Engine", "EngineConfig", "Request", "RequestOutput"]
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    adapter: str | None = None  # a registered adapter name; None = base model
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step added to one request. The last delta has finish_reason set (and usage);
+    a request that failed ends with `error` instead of tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: LoramuxError | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprobs]
+    error: LoramuxError | None = None
+
+    @classmethod
+    def collect(cls, deltas: list[Delta]) -> "RequestOutput":
+        last = deltas[-1]
+        return cls(
+            last.request_id,
+            [t for d in deltas for t in d.token_ids],
+            "".join(d.text for d in deltas),
+            last.finish_reason,
+            last.prompt_tokens,
+            last.completion_tokens,
+            [lp for d in deltas for lp in d.logprobs],
+            last.error,
+        )
+
+
+@dataclass(eq=False)
+class _Tracked:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    sink: Callable[[Delta], None]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loader: LocalAdapterLoader | None = None):
+        self.config = config
+        self.runner = ModelRunner(config)
+        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
+        self.loader = loader or LocalAdapterLoader(
+            self.runner.model_config, config.max_lora_rank, config.torch_dtype
+        )
+        self.host = HostTier(config.max_cpu_loras, self.loader)
+        self.slots = SlotPool(config.max_loras)
+        self.scheduler = Scheduler(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.block_size,
+            BlockAllocator(self.runner.cache.num_blocks),
+            self.slots,
+            self.host,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = 0
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.metrics = EngineMetrics()
+
+    # --- adapters -------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, peft_dir: str | Path) -> str:
+        """Validate and optimize a local PEFT adapter and put it in the host tier; returns its
+        content digest. Re-adding a name replaces its weights for new requests."""
+        check_adapter_id(name)
+        weights = load_peft_adapter(
+            name, peft_dir, self.runner.model_config, self.config.max_lora_rank, self.config.torch_dtype
+        )
+        ready = ReadyAdapter.of(name, weights)
+        with self._lock:
+            self.loader.register(name, peft_dir)
+            self.host.remove(name)
+            self.host.put(ready)
+        return ready.digest
+
+    def remove_adapter(self, name: str) -> None:
+        """New requests for `name` get NotFound; running ones finish on the weights they have."""
+        with self._lock:
+            self._require_adapter(name)
+            self.loader.unregister(name)
+            self.host.remove(name)
+
+    def pin_adapter(self, name: str) -> None:
+        with self._lock:
+            self._require_adapter(name)
+            self.host.pin(name)
+
+    def unpin_adapter(self, name: str) -> None:
+        with self._lock:
+            self._require_adapter(name)
+            self.host.unpin(name)
+
+    def _require_adapter(self, name: str) -> None:
+        if name not in self.loader:
+            raise NotFound(f"adapter {name!r} is not registered")
+
+    # --- requests -------------------------------------------------------------------------
+
+    def submit(self, request: Request, sink: Callable[[Delta], None]) -> None:
+        """Queue a request; `sink` receives its deltas from the stepping thread."""
+        seq = self._sequence(request)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params.stop
+            )
+        with self._lock:
+            if request.request_id in self._tracked:
+                raise InvalidArgument(f"request id {request.request_id!r} is already in flight")
+            if request.adapter is not None:
+                self._require_adapter(request.adapter)
+            seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+            self._tracked[request.request_id] = _Tracked(seq, detokenizer, sink)
+            self.scheduler.add(seq)
+            self._work.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request now: its KV blocks and slot reference are freed at once."""
+        with self._lock:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                self._finish(tracked, "abort")
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        """Run the requests to completion in this thread; outputs in request order."""
+        if self._thread is not None:
+            raise RuntimeError("generate() drives steps itself; use stream() while the engine thread runs")
+        deltas: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
+        for r in requests:
+            self.submit(r, deltas[r.request_id].append)
+        while any(not d or d[-1].finish_reason is None for d in deltas.values()):
+            self.step()
+        return [RequestOutput.collect(deltas[r.request_id]) for r in requests]
+
+    async def stream(self, request: Request) -> AsyncIterator[Delta]:
+        """Deltas of one request as they are produced; closing the iterator aborts it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.submit(request, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    # --- the engine thread ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._work.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.host.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.has_work:
+                    self._work.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def stats(self) -> dict:
+        """A snapshot of every counter and gauge, for export."""
+        with self._lock:
+            return {
+                "requests": dict(self.metrics.requests),
+                "prompt_tokens": self.metrics.prompt_tokens,
+                "generation_tokens": self.metrics.generation_tokens,
+                "adapter_load_seconds": self.metrics.adapter_load_seconds,
+                "host_tier": {
+                    "hits": self.host.hits,
+                    "misses": self.host.misses,
+                    "evictions": self.host.evictions,
+                    "size": len(self.host),
+                },
+                "slots": {
+                    "activations": self.slots.activations,
+                    "evictions": self.slots.evictions,
+                    "active": self.slots.active,
+                },
+                "queue_depth": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running),
+            }
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # --- one step -------------------------------------------------------------------------
+
+    def step(self) -> None:
+        with self._lock:
+            self._collect_loads()
+            schedule = self.scheduler.schedule()
+            if not schedule.chunks:
+                if self.host.loading:
+                    self._work.wait(0.005)  # only loads are pending: wait for them, not spin
+                return
+            for slot, ready in schedule.activations:
+                self.runner.load_slot(slot, ready.weights)
+            chunks = sorted(schedule.chunks, key=lambda c: c.seq.slot)  # grouped by slot for LoRA
+            logits = self.runner.forward([_input(c) for c in chunks])  # [chunks, vocab]
+            for c in chunks:
+                c.seq.num_computed += c.num_tokens
+            self._sample_and_emit(chunks, logits)
+
+    def _sample_and_emit(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        rows = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
+        if not rows:
+            return
+        seqs = [chunks[i].seq for i in rows]
+        batch = SamplingBatch.build(
+            [s.params for s in seqs], [s.generator for s in seqs], [s.token_ids for s in seqs], logits.device
+        )
+        result = sample(logits[rows], batch)
+        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
+            self._advance(self._tracked[seq.request_id], token, logprobs)
+
+    def _advance(self, tracked: _Tracked, token: int, logprobs: TokenLogprobs | None) -> None:
+        seq = tracked.seq
+        seq.output_token_ids.append(token)
+        text = tracked.detokenizer.push(token) if tracked.detokenizer else ""
+        reason = self._finish_reason(tracked, token)
+        tracked.sink(Delta(seq.request_id, [token], text, [logprobs] if logprobs else []))
+        if reason is not None:
+            self._finish(tracked, reason)
+
+    def _finish_reason(self, tracked: _Tracked, token: int) -> str | None:
+        seq, params = tracked.seq, tracked.seq.params
+        if tracked.detokenizer is not None and tracked.detokenizer.stopped:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self._eos_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    @property
+    def _eos_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None:
+            return self.tokenizer.eos_token_ids
+        return self.runner.model_config.eos_token_ids
+
+    def _finish(self, tracked: _Tracked, reason: str, error: LoramuxError | None = None) -> None:
+        seq = tracked.seq
+        self.scheduler.finish(seq, reason)
+        del self._tracked[seq.request_id]
+        self.metrics.requests[(seq.adapter or "", reason)] += 1
+        self.metrics.prompt_tokens += len(seq.prompt_token_ids)
+        self.metrics.generation_tokens += len(seq.output_token_ids)
+        tail = tracked.detokenizer.finish() if tracked.detokenizer and reason != "abort" else ""
+        tracked.sink(
+            Delta(
+                seq.request_id,
+                [],
+                tail,
+                [],
+                reason,
+                len(seq.prompt_token_ids),
+                len(seq.output_token_ids),
+                error,
+            )
+        )
+
+    def _collect_loads(self) -> None:
+        """Install finished loads. A failed load fails only the waiting requests that named it."""
+        seconds, failed = self.host.collect()
+        for took in seconds:
+            self.metrics.adapter_load_seconds.observe(took)
+        for name, error in failed:
+            for tracked in list(self._tracked.values()):
+                if tracked.seq.adapter == name and tracked.seq.status is Status.WAITING:
+                    self._finish(tracked, "error", _as_loramux(error, name))
+
+    def _sequence(self, request: Request) -> Sequence:
+        params, prompt = request.params, request.prompt_token_ids
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids is empty")
+        vocab = self.runner.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = min(self.config.max_model_len, self.runner.model_config.max_position_embeddings)
+        if len(prompt) + params.max_tokens > limit:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {limit}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer; this model folder has no tokenizer.json")
+        generator = generator_for(params, self.runner.device)
+        return Sequence(request.request_id, list(prompt), params, request.adapter, 0, generator=generator)
+
+
+def _input(chunk: ScheduledChunk) -> SequenceInput:
+    seq = chunk.seq
+    tokens = seq.token_ids[seq.num_computed : seq.num_computed + chunk.num_tokens]
+    return SequenceInput(tokens, seq.num_computed, seq.block_table, seq.slot)
+
+
+def _as_loramux(error: Exception, name: str) -> LoramuxError:
+    if isinstance(error, LoramuxError):
+        return error
+    return LoramuxError(f"loading adapter {name!r} failed: {error}")

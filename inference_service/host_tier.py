@@ -1,0 +1,114 @@
+"""HostTier: ready (validated, optimized) adapters in host memory, LRU, loaded in the background."""
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared import adapter_blob
+from shared.errors import FailedPrecondition
+from shared.peft_checkpoint import AdapterWeights
+
+
+class AdapterLoader(Protocol):
+    """Where adapters come from: a local PEFT folder now, the adapter store later."""
+
+    def load(self, name: str) -> AdapterWeights:
+        """Blocking; runs on a loader thread. Raises a LoramuxError naming the cause."""
+
+
+@dataclass(frozen=True)
+class ReadyAdapter:
+    name: str
+    digest: str  # content identity: a re-registered name with new weights gets a new digest
+    weights: AdapterWeights
+
+    @classmethod
+    def of(cls, name: str, weights: AdapterWeights) -> "ReadyAdapter":
+        return cls(name, adapter_blob.digest(adapter_blob.encode(weights)), weights)
+
+
+class HostTier:
+    """At most `capacity` unpinned adapters stay; pinned ones never leave. A load runs once per
+    name however many requests wait for it; the engine collects finished loads each step."""
+
+    def __init__(self, capacity: int, loader: AdapterLoader, threads: int = 2):
+        self.capacity = capacity
+        self._loader = loader
+        self._ready: OrderedDict[str, ReadyAdapter] = OrderedDict()
+        self._pinned: set[str] = set()
+        self._loading: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-load")
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, name: str) -> ReadyAdapter | None:
+        """The ready adapter (now most recently used), or None after starting its load."""
+        ready = self._ready.get(name)
+        if ready is not None:
+            self._ready.move_to_end(name)
+            self.hits += 1
+            return ready
+        if name not in self._loading:
+            self.misses += 1
+            self._loading[name] = self._pool.submit(self._load, name)
+        return None
+
+    def put(self, ready: ReadyAdapter) -> None:
+        self._ready[ready.name] = ready
+        self._ready.move_to_end(ready.name)
+        self._evict()
+
+    def collect(self) -> tuple[list[float], list[tuple[str, Exception]]]:
+        """Install finished loads. Returns the seconds each successful load took and
+        (name, error) of the ones that failed."""
+        seconds, failed = [], []
+        for name, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            if future.exception() is not None:
+                failed.append((name, future.exception()))
+            else:
+                ready, took = future.result()
+                self.put(ready)
+                seconds.append(took)
+        return seconds, failed
+
+    def remove(self, name: str) -> None:
+        """Forget the adapter, including a load in flight (its result is dropped)."""
+        self._ready.pop(name, None)
+        self._pinned.discard(name)
+        self._loading.pop(name, None)
+
+    def pin(self, name: str) -> None:
+        if name not in self._ready:
+            raise FailedPrecondition(f"adapter {name!r} is not loaded; pin it after it has been added")
+        self._pinned.add(name)
+
+    def unpin(self, name: str) -> None:
+        self._pinned.discard(name)
+        self._evict()
+
+    @property
+    def loading(self) -> int:
+        return len(self._loading)
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _load(self, name: str) -> tuple[ReadyAdapter, float]:
+        start = time.perf_counter()
+        ready = ReadyAdapter.of(name, self._loader.load(name))
+        return ready, time.perf_counter() - start
+
+    def _evict(self) -> None:
+        # Evicting only drops the host copy: requests already holding a device slot keep it,
+        # and waiting requests for the name simply load it again.
+        unpinned = [n for n in self._ready if n not in self._pinned]
+        for name in unpinned[: max(0, len(unpinned) - self.capacity)]:
+            del self._ready[name]
+            self.evictions += 1

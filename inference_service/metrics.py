@@ -1,0 +1,34 @@
+"""Counters, gauges and a histogram the engine keeps for the gRPC layer to export."""
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+LOAD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram, Prometheus style: counts[i] observations <= buckets[i]."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        for i in range(bisect.bisect_left(self.buckets, value), len(self.buckets)):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+
+@dataclass
+class EngineMetrics:
+    requests: Counter = field(default_factory=Counter)  # (adapter or "", finish reason) -> count
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    adapter_load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_SECONDS_BUCKETS))

@@ -1,0 +1,59 @@
+"""The optimized adapter wire format: one safetensors blob, identified by its sha256.
+
+Tensors are named `layers.{i}.{module}.lora_a` ([rank, in]) and `.lora_b` ([out, rank], scaling
+merged), in the serving dtype; the header metadata carries rank, alpha and the format version.
+"""
+
+import hashlib
+import json
+import struct
+
+from safetensors.torch import load, save
+
+from shared.errors import InvalidArgument
+from shared.peft_checkpoint import AdapterWeights, ModuleLora
+
+FORMAT = "loramux-adapter/1"
+
+
+def encode(weights: AdapterWeights) -> bytes:
+    tensors = {}
+    for (layer, module), m in weights.modules.items():
+        tensors[f"layers.{layer}.{module}.lora_a"] = m.a
+        tensors[f"layers.{layer}.{module}.lora_b"] = m.b
+    metadata = {
+        "format": FORMAT,
+        "rank": str(weights.rank),
+        "alpha": repr(weights.alpha),
+        "target_modules": ",".join(weights.target_modules),
+    }
+    return save(tensors, metadata=metadata)
+
+
+def digest(blob: bytes) -> str:
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+def decode(blob: bytes) -> AdapterWeights:
+    metadata = _metadata(blob)
+    if metadata.get("format") != FORMAT:
+        raise InvalidArgument(f"adapter blob format {metadata.get('format')!r}, expected {FORMAT!r}")
+    tensors = load(blob)
+    modules = {}
+    for name in tensors:
+        _, layer, module, half = name.split(".")
+        if half == "lora_a":
+            modules[(int(layer), module)] = ModuleLora(
+                tensors[name], tensors[f"layers.{layer}.{module}.lora_b"]
+            )
+    return AdapterWeights(
+        int(metadata["rank"]),
+        float(metadata["alpha"]),
+        tuple(metadata["target_modules"].split(",")),
+        dict(sorted(modules.items())),
+    )
+
+
+def _metadata(blob: bytes) -> dict:
+    (size,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8 : 8 + size]).get("__metadata__", {})

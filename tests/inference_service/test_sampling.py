@@ -1,0 +1,247 @@
+"""Sampling: bad values are refused by name, filters agree with transformers' logits processors,
+draws follow the filtered distribution, and a seeded request's tokens ignore its batch-mates."""
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from inference_service.sampling import SamplingBatch, SamplingParams, generator_for, sample
+from shared.errors import InvalidArgument
+
+INVALID = [
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", 2.0),
+    ("max_tokens", True),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", "1"),
+    ("top_k", -1),
+    ("top_k", 5.0),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", math.nan),
+    ("top_p", -math.inf),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("min_p", math.nan),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.2),
+    ("repetition_penalty", math.inf),
+    ("repetition_penalty", math.nan),
+    ("seed", -1),
+    ("seed", 2**64),
+    ("seed", 1.5),
+    ("stop", [""]),
+    ("stop", ["ok", 3]),
+    ("stop", "a bare string"),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["2"]),
+    ("stop_token_ids", 5),
+    ("ignore_eos", 1),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", 1.0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID)
+def test_invalid_value_is_refused_by_name(field, value):
+    with pytest.raises(InvalidArgument, match=rf"\b{field}\b"):
+        SamplingParams(**{field: value})
+
+
+def test_valid_params_store_lists_as_tuples():
+    p = SamplingParams(
+        temperature=0, top_k=1, top_p=1, min_p=1, seed=2**64 - 1, stop=["\n"], stop_token_ids=[0]
+    )
+    assert p.stop == ("\n",) and p.stop_token_ids == (0,)
+    assert hash(p) == hash(SamplingParams(**vars(p)))
+
+
+def _sample(logits, params, histories=None, generators=None):
+    histories = histories or [[] for _ in params]
+    generators = generators or [None] * len(params)
+    return sample(logits, SamplingBatch.build(params, generators, histories, logits.device))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1e-6),
+        SamplingParams(temperature=0.7, top_k=1),
+    ],
+)
+def test_greedy_and_top_k_1_take_the_argmax(params):
+    logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(0))  # [rows, vocab]
+    assert _sample(logits, [params] * 16).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_repetition_penalized_greedy_choice_equals_transformers():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 40, generator=g) * 3  # [rows, vocab]
+    logits[::2] -= 20  # all-negative rows: a penalty must push a negative logit further down
+    # Each history holds the row's favourite token, so a penalty can change the choice.
+    histories = [
+        [int(logits[r].argmax()), *torch.randint(0, 40, (r,), generator=g).tolist()] for r in range(8)
+    ]
+    penalties = [1.0, 1.3, 0.7, 2.0, 1.0, 1.1, 5.0, 0.5]
+    params = [SamplingParams(temperature=0, repetition_penalty=p) for p in penalties]
+    before = logits.clone()
+    got = _sample(logits, params, histories).token_ids
+    expected = [
+        int(RepetitionPenaltyLogitsProcessor(p)(torch.tensor([h]), logits[r : r + 1].clone()).argmax())
+        for r, (p, h) in enumerate(zip(penalties, histories, strict=True))
+    ]
+    assert got == expected
+    assert got != logits.argmax(dim=-1).tolist()  # the penalty mattered somewhere
+    assert torch.equal(logits, before)
+
+
+# (params, history): every row of a config in one batch, each config with its own filters.
+CONFIGS = [
+    (SamplingParams(temperature=1.0), []),
+    (SamplingParams(temperature=0.7, top_k=4), []),
+    (SamplingParams(temperature=1.3, top_p=0.8), []),
+    (SamplingParams(temperature=1.0, min_p=0.15), []),
+    (SamplingParams(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05), []),
+    (SamplingParams(temperature=1.0, top_p=0.85, repetition_penalty=1.8), [0, 3, 3, 7]),
+]
+
+
+def _transformers_probs(scores, params, history):
+    """The distribution transformers' generate() samples from, with its processors in its order."""
+    chain = [
+        RepetitionPenaltyLogitsProcessor(params.repetition_penalty),
+        TemperatureLogitsWarper(params.temperature),
+    ]
+    chain += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    chain += [TopPLogitsWarper(params.top_p), MinPLogitsWarper(params.min_p)]
+    ids = torch.tensor([history or [0]])  # [1, len]; a penalty of 1 leaves the dummy [0] without effect
+    return LogitsProcessorList(chain)(ids, scores[None].clone()).softmax(dim=-1)[0]  # [vocab]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared-draw", "per-request-generators"])
+def test_draws_follow_the_distribution_transformers_leaves(seeded):
+    vocab, draws = 12, 3000
+    scores = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 1.5  # [vocab]
+    rows = [(p, h) for p, h in CONFIGS for _ in range(draws)]
+    params, histories = [p for p, _ in rows], [h for _, h in rows]
+    generators = [torch.Generator().manual_seed(i) if seeded else None for i in range(len(rows))]
+    torch.manual_seed(0)
+    tokens = torch.tensor(_sample(scores.expand(len(rows), vocab), params, histories, generators).token_ids)
+    for c, (p, h) in enumerate(CONFIGS):
+        expected = _transformers_probs(scores, p, h)  # [vocab]
+        counts = torch.bincount(tokens[c * draws : (c + 1) * draws], minlength=vocab)  # [vocab]
+        kept = expected > 0
+        assert set(counts.nonzero().flatten().tolist()) == set(kept.nonzero().flatten().tolist()), p
+        e = expected[kept] * draws
+        chi2 = float(((counts[kept] - e) ** 2 / e).sum())
+        assert chi2 < 35, (p, chi2)  # df <= 11: p-value < 3e-4 for a correct sampler
+
+
+def _boundary_cases():
+    dists = [[0.5, 0.3, 0.2], [0.4, 0.2, 0.2, 0.1, 0.1], [0.25] * 4, [0.6, 0.1, 0.1, 0.1, 0.1]]
+    top_ps = [i / 10 for i in range(1, 10)] + [1e-9]
+    filters = [{"top_p": p} for p in top_ps] + [{"min_p": m} for m in (0.25, 1 / 3, 0.5, 1.0)]
+    filters += [{"top_k": k} for k in (1, 2, 3)]  # ties with the k-th token stay
+    return [(d, SamplingParams(**f)) for d in dists for f in filters]
+
+
+def test_exact_boundaries_and_ties_keep_the_tokens_transformers_keeps():
+    cases, draws = _boundary_cases(), 300
+    scores = [torch.tensor(d).log() for d, _ in cases]  # [vocab] each, probabilities on the cut-offs
+    vocab = max(len(d) for d, _ in cases)
+    logits = torch.stack([torch.nn.functional.pad(s, (0, vocab - len(s)), value=-math.inf) for s in scores])
+    torch.manual_seed(0)
+    rows = torch.arange(len(cases)).repeat_interleave(draws)  # [cases * draws]
+    tokens = torch.tensor(_sample(logits[rows], [cases[r][1] for r in rows.tolist()]).token_ids)
+    for c, ((d, p), s) in enumerate(zip(cases, scores, strict=True)):
+        drawn = set(tokens[c * draws : (c + 1) * draws].tolist())
+        assert drawn == set(_transformers_probs(s, p, []).nonzero().flatten().tolist()), (d, p)
+
+
+def _run(request_logits, batch_builder, steps):
+    """Sample `steps` tokens for a seeded request (row `at` of each step's batch)."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    gen = generator_for(params, "cpu")
+    out = []
+    for step in range(steps):
+        mates, at = batch_builder(step)
+        all_params = [*mates[:at], params, *mates[at:]]
+        gens = [generator_for(p, "cpu") for p in all_params]
+        gens[at] = gen
+        others = torch.randn(len(mates), request_logits.shape[-1]) * 4  # [mates, vocab]
+        logits = torch.cat([others[:at], request_logits[step][None], others[at:]])  # [rows, vocab]
+        histories = [[1, 2, 3]] * len(all_params)
+        out.append(_sample(logits, all_params, histories, gens).token_ids[at])
+    return out
+
+
+BATCH_MATES = {
+    "alone": lambda step: ([], 0),
+    "unseeded-first": lambda step: ([SamplingParams()], 1),
+    "mixed-filters": lambda step: (
+        [SamplingParams(top_k=3), SamplingParams(temperature=0), SamplingParams(min_p=0.3, seed=8)]
+        * (step + 1),
+        step,
+    ),
+    "greedy-and-penalty": lambda step: (
+        [SamplingParams(temperature=0, repetition_penalty=1.5)] * 9,
+        9 - step,
+    ),
+    "same-seed-mate": lambda step: ([SamplingParams(temperature=0.8, top_p=0.95, seed=7)] * 2, 1),
+}
+
+
+def test_seeded_request_ignores_its_batch_mates():
+    steps, vocab = 6, 64
+    request_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(3))  # [steps, vocab]
+    runs = {}
+    for i, (name, builder) in enumerate(BATCH_MATES.items()):
+        torch.manual_seed(100 + i)  # unseeded mates see different global draws in every run
+        runs[name] = _run(request_logits, builder, steps)
+    assert all(tokens == runs["alone"] for tokens in runs.values()), runs
+
+
+def test_different_seeds_give_different_tokens():
+    logits = torch.zeros(1, 1000)  # [1, vocab] uniform, so any two streams differing is near certain
+    streams = set()
+    for seed in range(4):
+        params = [SamplingParams(seed=seed)]
+        gen = [generator_for(params[0], "cpu")]
+        streams.add(tuple(_sample(logits, params, generators=gen).token_ids[0] for _ in range(5)))
+    assert len(streams) == 4
+
+
+def test_logprobs_are_the_raw_model_distribution():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(4)) * 2  # [rows, vocab]
+    counts = [0, 1, 5, 20, 3]
+    params = [
+        SamplingParams(logprobs=n, temperature=t, repetition_penalty=rp, top_k=k)
+        for n, t, rp, k in zip(
+            counts, [0, 0.5, 1.0, 0, 2.0], [1.0, 1.5, 1.0, 1.0, 0.8], [0, 0, 3, 0, 0], strict=True
+        )
+    ]
+    result = _sample(logits, params, histories=[[1, 2]] * 5)
+    expected = logits.log_softmax(dim=-1)  # [rows, vocab]
+    assert result.logprobs[0] is None
+    for r in range(1, 5):
+        lp = result.logprobs[r]
+        ids, values = [i for i, _ in lp.top], [v for _, v in lp.top]
+        assert len(lp.top) == counts[r]
+        assert values == sorted(values, reverse=True)
+        assert set(ids) == set(expected[r].topk(counts[r]).indices.tolist())
+        assert values == pytest.approx(expected[r, ids].tolist(), abs=1e-6)
+        assert lp.logprob == pytest.approx(float(expected[r, result.token_ids[r]]), abs=1e-6)
