@@ -1,7 +1,9 @@
 """The optimized adapter wire format: one safetensors blob, identified by its sha256.
 
 Tensors are named `layers.{i}.{module}.lora_a` ([rank, in]) and `.lora_b` ([out, rank], scaling
-merged), in the serving dtype; the header metadata carries rank, alpha and the format version.
+merged), in the serving dtype. safetensors writes metadata keys in hash order, so rank, alpha
+and the format version sit in one key as sorted JSON: the same content always encodes to the
+same bytes, hence the same digest.
 """
 
 import hashlib
@@ -14,6 +16,7 @@ from shared.errors import InvalidArgument
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 FORMAT = "loramux-adapter/1"
+METADATA_KEY = "loramux"
 
 
 def encode(weights: AdapterWeights) -> bytes:
@@ -23,11 +26,11 @@ def encode(weights: AdapterWeights) -> bytes:
         tensors[f"layers.{layer}.{module}.lora_b"] = m.b
     metadata = {
         "format": FORMAT,
-        "rank": str(weights.rank),
-        "alpha": repr(weights.alpha),
-        "target_modules": ",".join(weights.target_modules),
+        "rank": weights.rank,
+        "alpha": weights.alpha,
+        "target_modules": list(weights.target_modules),
     }
-    return save(tensors, metadata=metadata)
+    return save(tensors, metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
 
 
 def digest(blob: bytes) -> str:
@@ -49,11 +52,12 @@ def decode(blob: bytes) -> AdapterWeights:
     return AdapterWeights(
         int(metadata["rank"]),
         float(metadata["alpha"]),
-        tuple(metadata["target_modules"].split(",")),
+        tuple(metadata["target_modules"]),
         dict(sorted(modules.items())),
     )
 
 
 def _metadata(blob: bytes) -> dict:
     (size,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8 : 8 + size]).get("__metadata__", {})
+    header = json.loads(blob[8 : 8 + size]).get("__metadata__") or {}
+    return json.loads(header.get(METADATA_KEY, "{}"))

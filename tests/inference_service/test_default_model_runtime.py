@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from inference_service.config import EngineConfig
-from inference_service.demo import greedy_generate
+from inference_service.engine import Engine, Request
 from inference_service.forward_batch import SequenceInput
 from inference_service.model_runner import ModelRunner
+from inference_service.sampling import SamplingParams
 from inference_service.tokenizer import Tokenizer
 
 
@@ -32,11 +33,15 @@ def test_logits_match_transformers(runner, tokenizer, default_model_dir):
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
 
 
-def test_greedy_capital_of_france_is_paris(runner, tokenizer):
-    prompts = [
-        tokenizer.encode("The capital of France is"),
-        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])),
-    ]
-    france, chat = greedy_generate(runner, prompts, 16, tokenizer.eos_token_ids)
-    assert tokenizer.decode(france).startswith(" Paris")
-    assert "4" in tokenizer.decode(chat, skip_special_tokens=True)
+def test_greedy_capital_of_france_is_paris(default_model_dir, tokenizer):
+    engine = Engine(EngineConfig(model=str(default_model_dir), kv_cache_tokens=256))
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    params = SamplingParams(max_tokens=16, temperature=0)
+    france, answer = engine.generate(
+        [
+            Request(tokenizer.encode("The capital of France is"), params=params),
+            Request(tokenizer.encode(chat), params=params),
+        ]
+    )
+    assert france.text.startswith(" Paris")
+    assert "4" in answer.text and answer.finish_reason == "stop"
