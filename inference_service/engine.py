@@ -283,8 +283,10 @@ class Engine:
         if not rows:
             return
         seqs = [chunks[i].seq for i in rows]
+        # Only penalized rows read their history; building it costs O(length) per row.
+        histories = [s.token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
         batch = SamplingBatch.build(
-            [s.params for s in seqs], [s.generator for s in seqs], [s.token_ids for s in seqs], logits.device
+            [s.params for s in seqs], [s.generator for s in seqs], histories, logits.device
         )
         result = sample(logits[rows], batch)
         for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
