@@ -291,3 +291,22 @@ def test_stats_count_requests_tokens_tiers_and_loads(tiny_models, tiny_adapters)
     assert stats["host_tier"]["misses"] == 2 and stats["adapter_load_seconds"].count == 2
     assert stats["slots"] == {"activations": 2, "evictions": 1, "active": 0}
     assert (stats["queue_depth"], stats["running"]) == (0, 0)
+
+
+def test_pinned_adapter_stays_in_the_host_tier_under_pressure(tiny_models, tiny_adapters):
+    loader = _gated_loader(tiny_models)
+    loader.gate.set()
+    engine = Engine(
+        EngineConfig(model=str(tiny_models["llama"]), max_cpu_loras=1, kv_cache_tokens=256), loader
+    )
+    engine.add_adapter("all8", tiny_adapters["llama"]["all8"])
+    engine.pin_adapter("all8")
+    for name in ("qv4", "re2", "pattern"):  # each evicts the previous unpinned one
+        engine.add_adapter(name, tiny_adapters["llama"][name])
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.generate([Request([3, 4], "all8", params), Request([3, 4], "pattern", params)])
+    assert loader.calls == []  # both served from the host tier
+    engine.unpin_adapter("all8")
+    engine.generate([Request([3, 4], "qv4", params)])
+    engine.generate([Request([3, 4], "all8", params)])
+    assert loader.calls == ["qv4", "all8"]  # unpinned, it left the tier like any other
