@@ -112,7 +112,6 @@ class Engine:
             self.host,
         )
         self._tracked: dict[str, _Tracked] = {}
-        self._arrivals = 0
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -171,7 +170,6 @@ class Engine:
                 raise InvalidArgument(f"request id {request.request_id!r} is already in flight")
             if request.adapter is not None:
                 self._require_adapter(request.adapter)
-            seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
             self._tracked[request.request_id] = _Tracked(seq, detokenizer, sink)
             self.scheduler.add(seq)
             self._work.notify()
@@ -367,7 +365,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer; this model folder has no tokenizer.json")
         generator = generator_for(params, self.runner.device)
-        return Sequence(request.request_id, list(prompt), params, request.adapter, 0, generator=generator)
+        return Sequence(request.request_id, list(prompt), params, request.adapter, generator=generator)
 
 
 def _input(chunk: ScheduledChunk) -> SequenceInput:

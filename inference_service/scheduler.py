@@ -72,7 +72,7 @@ class Scheduler:
             ready = self.host.get(seq.adapter) if seq.adapter else None
             if seq.adapter and ready is None:
                 continue
-            if -(-seq.max_len // self.block_size) > self.allocator.num_free:
+            if self._blocks_for(seq) > self.allocator.num_free:
                 return  # strict FCFS on memory: smaller requests do not overtake a big one
             if ready is not None and not self._slot_available(ready.digest, drain):
                 drain = self.slots.lru_busy_slot() if drain is None else drain
@@ -82,6 +82,10 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
 
+    def _blocks_for(self, seq: Sequence) -> int:
+        """KV blocks for every position the sequence can reach, reserved at admission."""
+        return -(-seq.max_len // self.block_size)
+
     def _slot_available(self, digest: str, drain: int | None) -> bool:
         resident = self.slots.resident(digest)
         if resident is not None:
@@ -90,7 +94,7 @@ class Scheduler:
 
     def _start(self, seq: Sequence, ready: ReadyAdapter | None, activations: list) -> None:
         self.waiting.remove(seq)
-        seq.block_table = self.allocator.allocate(-(-seq.max_len // self.block_size))
+        seq.block_table = self.allocator.allocate(self._blocks_for(seq))
         if ready is not None:
             seq.slot, activate = self.slots.acquire(ready.digest)
             if activate:

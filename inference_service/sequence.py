@@ -20,7 +20,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None
-    arrival: int  # admission order among waiting requests
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -32,10 +31,6 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def max_len(self) -> int:

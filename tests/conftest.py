@@ -15,6 +15,14 @@ def default_model_dir() -> Path:
     return prepare_default_model(cache)
 
 
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    """The default model's tokenizer, loaded once."""
+    from inference_service.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(default_model_dir)
+
+
 # Tiny random models: shapes small enough for fast tests, with GQA, and weights large enough
 # (initializer_range) that a wrong term in the math moves logits far past the tolerances.
 TINY_MODEL = dict(

@@ -9,17 +9,11 @@ from inference_service.engine import Engine, Request
 from inference_service.forward_batch import SequenceInput
 from inference_service.model_runner import ModelRunner
 from inference_service.sampling import SamplingParams
-from inference_service.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def runner(default_model_dir) -> ModelRunner:
     return ModelRunner(EngineConfig(model=str(default_model_dir), kv_cache_tokens=1024))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir) -> Tokenizer:
-    return Tokenizer.from_dir(default_model_dir)
 
 
 def test_logits_match_transformers(runner, tokenizer, default_model_dir):

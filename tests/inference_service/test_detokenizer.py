@@ -19,11 +19,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return Tokenizer.from_dir(default_model_dir)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say something."}])
     return tokenizer.encode(prompt, add_special_tokens=False)

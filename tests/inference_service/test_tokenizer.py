@@ -35,11 +35,6 @@ NUMBERS_AFTER_BLANKS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return Tokenizer.from_dir(default_model_dir)
-
-
-@pytest.fixture(scope="module")
 def reference():
     """transformers' tokenizer built from the GGUF metadata, the reference for vocab, merges and template."""
     transformers = pytest.importorskip("transformers")
