@@ -117,11 +117,11 @@ def attend(
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.cache_slots, v)
     out = torch.empty_like(q)
     for p in meta.prefills:
-        kp = k_cache[p.blocks].flatten(0, 1)[: p.context]  # [context, kv_heads, hd]
-        vp = v_cache[p.blocks].flatten(0, 1)[: p.context]
+        kp = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]  # [context, kv_heads, hd]
+        vp = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]
         out[p.tokens] = _attend_one(q[p.tokens], kp, vp, p.mask, scale)
     if meta.decode_tokens.numel():
-        out[meta.decode_tokens] = _attend_decodes(q, k_cache, v_cache, meta, scale)
+        out.index_copy_(0, meta.decode_tokens, _attend_decodes(q, k_cache, v_cache, meta, scale))
     return out
 
 
@@ -140,8 +140,11 @@ def _attend_one(q, k, v, mask, scale) -> torch.Tensor:
 
 
 def _attend_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale) -> torch.Tensor:
-    qd = q[meta.decode_tokens][:, :, None, :]  # [decodes, heads, 1, hd]
-    kd = k_cache[meta.decode_blocks].flatten(1, 2).transpose(1, 2)  # [decodes, kv_heads, width, hd]
-    vd = v_cache[meta.decode_blocks].flatten(1, 2).transpose(1, 2)
+    # index_select, not advanced indexing: several times faster for these gathers on CPU
+    decodes = meta.decode_blocks.shape[0]
+    blocks = meta.decode_blocks.flatten()  # [decodes*width]
+    qd = q.index_select(0, meta.decode_tokens)[:, :, None, :]  # [decodes, heads, 1, hd]
+    kd = k_cache.index_select(0, blocks).view(decodes, -1, *k_cache.shape[2:]).transpose(1, 2)
+    vd = v_cache.index_select(0, blocks).view(decodes, -1, *v_cache.shape[2:]).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
     return o[:, :, 0, :]  # [decodes, heads, hd]

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.lora_batch import LoraBatch
-from kernels.lora_expand import lora_expand
-from kernels.lora_shrink import lora_shrink
+from kernels.lora_expand import expand_padded, lora_expand
+from kernels.lora_shrink import lora_shrink, shrink_padded
 
 
 class LoRALinear(nn.Module):
@@ -14,9 +14,10 @@ class LoRALinear(nn.Module):
 
     q/k/v (3 slices) and gate/up (2 slices) run as one base matmul; the LoRA buffers keep the
     slices apart because an adapter may target some of them only. Layout:
-    A: [max_loras, slices, max_rank, in]   one shrink matmul per slot covers every slice;
-    B: [max_loras, out, max_rank]           slices concatenated along `out`, so uneven slices
-                                            (q vs k/v under GQA) need no padding.
+    A:   [max_loras, slices, max_rank, in]   one shrink matmul per slot covers every slice;
+    B_s: [max_loras, max_rank, out_s]        one per slice, so uneven slices (q vs k/v under
+                                             GQA) need no padding; transposed, so a decode
+                                             step streams each slot's B row by row.
     Scaling is merged into B when an adapter is loaded.
     """
 
@@ -40,31 +41,35 @@ class LoRALinear(nn.Module):
             if bias
             else None
         )
-        self.slices = _slice_offsets(slice_sizes)
+        self.slices = _slice_offsets(slice_sizes)  # (offset, size) of each slice in `out`
         slots = (max_loras, len(slice_sizes), max_rank)
         self.register_buffer("lora_a", torch.zeros(*slots, in_features, dtype=dtype, device=device))
-        self.register_buffer(
-            "lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
-        )
+        for s, size in enumerate(slice_sizes):
+            b = torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device)
+            self.register_buffer(f"lora_b{s}", b)
+        self.lora_b = tuple(getattr(self, f"lora_b{s}") for s in range(len(slice_sizes)))
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [tokens, out]
         if lora is None or not lora.segments:
             return y
+        if lora.padded is not None:  # decode steps: stay in the padded layout in between
+            padded = shrink_padded(x, self.lora_a, lora.padded)  # [slots, slices*rank, rows]
+            return expand_padded(y, padded, self.lora_b, lora.padded)
         buf = lora_shrink(x, self.lora_a, lora)  # [tokens, slices, rank]
-        return lora_expand(y, buf, self.lora_b, self.slices, lora)
+        return lora_expand(y, buf, self.lora_b, lora)
 
     def set_slice(self, slot: int, slice_index: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write one adapter's A [rank, in] and scaled B [slice_out, rank] for one slice; ranks
         below max_rank are zero-padded."""
         rank = a.shape[0]
-        offset, size = self.slices[slice_index]
         self.lora_a[slot, slice_index, :rank].copy_(a, non_blocking=True)
-        self.lora_b[slot, offset : offset + size, :rank].copy_(b, non_blocking=True)
+        self.lora_b[slice_index][slot, :rank].copy_(b.t(), non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        for b in self.lora_b:
+            b[slot].zero_()
 
 
 def _slice_offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -9,21 +11,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 SLICE_SIZES = {1: (40,), 2: (48, 48), 3: (64, 24, 24)}  # qkv with GQA has uneven slices
 
 
-def _offsets(sizes):
-    offsets, start = [], 0
-    for size in sizes:
-        offsets.append((start, size))
-        start += size
-    return tuple(offsets)
-
-
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize("rank", [1, 8, 16])
 @pytest.mark.parametrize("slices", [1, 2, 3])
 @pytest.mark.parametrize("base_every", [0, 3])
 @pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expand_matches_reference(spread, rank, slices, base_every, grouped, dtype):
+def test_expand_matches_reference(spread, rank, slices, base_every, grouped, padded, dtype):
     torch.manual_seed(0)
     tokens, max_loras = 37, 4
     sizes = SLICE_SIZES[slices]
@@ -31,13 +26,14 @@ def test_expand_matches_reference(spread, rank, slices, base_every, grouped, dty
     slots = token_slots(spread, tokens, max_loras, base_every, grouped, seed=rank * 7 + slices)
     y = torch.randn(tokens, out_features, dtype=dtype)
     buf = torch.randn(tokens, slices, rank, dtype=dtype)
-    b = torch.randn(max_loras, out_features, rank, dtype=dtype)
-    batch = LoraBatch.build(slots)
+    b = tuple(torch.randn(max_loras, rank, size, dtype=dtype) for size in sizes)
+    batch = LoraBatch.build(slots, max_pad_factor=math.inf if padded else 0)
+    assert (batch.padded is not None) == padded
 
-    expected = lora_expand_ref(y, buf, b, _offsets(sizes), batch.token_slots)
+    expected = lora_expand_ref(y, buf, b, batch.token_slots)
     base_rows = torch.tensor([s < 0 for s in slots])
     y_base_before = y[base_rows].clone()
-    out = lora_expand(y, buf, b, _offsets(sizes), batch)
+    out = lora_expand(y, buf, b, batch)
 
     assert out is y
     torch.testing.assert_close(

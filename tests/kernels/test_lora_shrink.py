@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -13,14 +15,16 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("slices", [1, 2, 3])
 @pytest.mark.parametrize("base_every", [0, 3])
 @pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shrink_matches_reference(spread, rank, slices, base_every, grouped, dtype):
+def test_shrink_matches_reference(spread, rank, slices, base_every, grouped, padded, dtype):
     torch.manual_seed(0)
     tokens, max_loras, in_features = 37, 4, 72
     slots = token_slots(spread, tokens, max_loras, base_every, grouped, seed=rank * 7 + slices)
     x = torch.randn(tokens, in_features, dtype=dtype)
     a = torch.randn(max_loras, slices, rank, in_features, dtype=dtype)
-    batch = LoraBatch.build(slots)
+    batch = LoraBatch.build(slots, max_pad_factor=math.inf if padded else 0)
+    assert (batch.padded is not None) == padded
 
     out = lora_shrink(x, a, batch)
 
@@ -36,15 +40,6 @@ def test_shrink_matches_reference(spread, rank, slices, base_every, grouped, dty
 def test_shrink_of_all_base_batch_is_zero():
     x = torch.randn(5, 16)
     a = torch.randn(2, 1, 4, 16)
-    out = lora_shrink(x, a, LoraBatch.build([-1] * 5))
-    assert torch.count_nonzero(out) == 0
-
-
-def test_batch_build_keeps_grouped_order_and_sorts_scattered():
-    grouped = LoraBatch.build([2, 2, -1, 0, 0, 0])
-    assert grouped.order is None
-    assert [(s.slot, s.start, s.end) for s in grouped.segments] == [(2, 0, 2), (0, 3, 6)]
-
-    scattered = LoraBatch.build([1, 0, 1, -1])
-    assert scattered.order.tolist() == [3, 1, 0, 2]
-    assert [(s.slot, s.start, s.end) for s in scattered.segments] == [(0, 1, 2), (1, 2, 4)]
+    batch = LoraBatch.build([-1] * 5)
+    assert batch.padded is None and not batch.segments
+    assert torch.count_nonzero(lora_shrink(x, a, batch)) == 0

@@ -1,0 +1,31 @@
+from kernels.lora_batch import LoraBatch
+
+
+def test_batch_build_keeps_grouped_order_and_sorts_scattered():
+    grouped = LoraBatch.build([2, 2, -1, 0, 0, 0])
+    assert grouped.order is None
+    assert [(s.slot, s.start, s.end) for s in grouped.segments] == [(2, 0, 2), (0, 3, 6)]
+
+    scattered = LoraBatch.build([1, 0, 1, -1])
+    assert scattered.order.tolist() == [3, 1, 0, 2]
+    assert [(s.slot, s.start, s.end) for s in scattered.segments] == [(0, 1, 2), (1, 2, 4)]
+
+
+def test_padded_layout_maps_every_token_to_its_slot_rows():
+    batch = LoraBatch.build([2, 2, -1, 0, 3, 3, 3], max_pad_factor=4)
+    layout = batch.padded
+    assert (layout.first_slot, layout.num_slots, layout.rows) == (0, 4, 3)
+    gather = layout.gather.tolist()
+    for token, slot in enumerate([2, 2, -1, 0, 3, 3, 3]):
+        row = layout.scatter[token].item()
+        if slot < 0:
+            assert row == layout.num_slots * layout.rows
+        else:
+            assert row // layout.rows == slot and gather[row] == token
+
+
+def test_decode_steps_pad_and_a_long_prefill_beside_decodes_loops_over_slots():
+    decode = [i % 8 for i in range(32)]
+    assert LoraBatch.build(decode).padded is not None
+    prefill_and_decodes = [0] * 200 + list(range(1, 8))
+    assert LoraBatch.build(prefill_and_decodes).padded is None
