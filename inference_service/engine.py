@@ -101,7 +101,7 @@ class Engine:
         self.loader = loader or LocalAdapterLoader(
             self.runner.model_config, config.max_lora_rank, config.torch_dtype
         )
-        self.host = HostTier(config.max_cpu_loras, self.loader)
+        self.host = HostTier(config.max_cpu_loras, self.loader, self.runner.device.type == "cuda")
         self.slots = SlotPool(config.max_loras)
         self.scheduler = Scheduler(
             config.max_num_seqs,

@@ -33,9 +33,10 @@ class HostTier:
     """At most `capacity` unpinned adapters stay; pinned ones never leave. A load runs once per
     name however many requests wait for it; the engine collects finished loads each step."""
 
-    def __init__(self, capacity: int, loader: AdapterLoader, threads: int = 2):
+    def __init__(self, capacity: int, loader: AdapterLoader, pin_memory: bool, threads: int = 2):
         self.capacity = capacity
         self._loader = loader
+        self._pin_memory = pin_memory  # page-locked copies when the device is a GPU
         self._ready: OrderedDict[str, ReadyAdapter] = OrderedDict()
         self._pinned: set[str] = set()
         self._loading: dict[str, Future] = {}
@@ -102,7 +103,8 @@ class HostTier:
 
     def _load(self, name: str) -> tuple[ReadyAdapter, float]:
         start = time.perf_counter()
-        ready = ReadyAdapter.of(name, self._loader.load(name))
+        weights = self._loader.load(name)
+        ready = ReadyAdapter.of(name, weights.pin_memory() if self._pin_memory else weights)
         return ready, time.perf_counter() - start
 
     def _evict(self) -> None:

@@ -59,12 +59,12 @@ class LoRALinear(nn.Module):
         buf = lora_shrink(x, self.lora_a, lora)  # [tokens, slices, rank]
         return lora_expand(y, buf, self.lora_b, lora)
 
-    def set_slice(self, slot: int, slice_index: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Write one adapter's A [rank, in] and scaled B [slice_out, rank] for one slice; ranks
-        below max_rank are zero-padded."""
+    def set_slice(self, slot: int, slice_index: int, a: torch.Tensor, b_t: torch.Tensor) -> None:
+        """Write one adapter's A [rank, in] and scaled B^T [rank, slice_out] for one slice;
+        ranks below max_rank are zero-padded. From pinned host memory the copies are async."""
         rank = a.shape[0]
         self.lora_a[slot, slice_index, :rank].copy_(a, non_blocking=True)
-        self.lora_b[slice_index][slot, :rank].copy_(b.t(), non_blocking=True)
+        self.lora_b[slice_index][slot, :rank].copy_(b_t, non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()

@@ -47,7 +47,7 @@ class ModelRunner:
         self.clear_slot(slot)
         for (layer, module), weights in adapter.modules.items():
             packed, slice_index = PACKED_MODULES[module]
-            self._linears[(layer, packed)].set_slice(slot, slice_index, weights.a, weights.b)
+            self._linears[(layer, packed)].set_slice(slot, slice_index, weights.a, weights.b_t)
 
     @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:

@@ -1,9 +1,9 @@
 """The optimized adapter wire format: one safetensors blob, identified by its sha256.
 
-Tensors are named `layers.{i}.{module}.lora_a` ([rank, in]) and `.lora_b` ([out, rank], scaling
-merged), in the serving dtype. safetensors writes metadata keys in hash order, so rank, alpha
-and the format version sit in one key as sorted JSON: the same content always encodes to the
-same bytes, hence the same digest.
+Tensors are named `layers.{i}.{module}.lora_a` ([rank, in]) and `.lora_b_t` ([rank, out]: B
+transposed, scaling merged), in the serving dtype: the kernels' layout. safetensors writes
+metadata keys in hash order, so rank, alpha and the format version sit in one key as sorted
+JSON: the same content always encodes to the same bytes, hence the same digest.
 """
 
 import hashlib
@@ -15,7 +15,7 @@ from safetensors.torch import load, save
 from shared.errors import InvalidArgument
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
-FORMAT = "loramux-adapter/1"
+FORMAT = "loramux-adapter/2"
 METADATA_KEY = "loramux"
 
 
@@ -23,7 +23,7 @@ def encode(weights: AdapterWeights) -> bytes:
     tensors = {}
     for (layer, module), m in weights.modules.items():
         tensors[f"layers.{layer}.{module}.lora_a"] = m.a
-        tensors[f"layers.{layer}.{module}.lora_b"] = m.b
+        tensors[f"layers.{layer}.{module}.lora_b_t"] = m.b_t
     metadata = {
         "format": FORMAT,
         "rank": weights.rank,
@@ -47,7 +47,7 @@ def decode(blob: bytes) -> AdapterWeights:
         _, layer, module, half = name.split(".")
         if half == "lora_a":
             modules[(int(layer), module)] = ModuleLora(
-                tensors[name], tensors[f"layers.{layer}.{module}.lora_b"]
+                tensors[name], tensors[f"layers.{layer}.{module}.lora_b_t"]
             )
     return AdapterWeights(
         int(metadata["rank"]),

@@ -4,7 +4,7 @@ weights ready to serve: per (layer, module) A and B with the scaling merged into
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -66,8 +66,13 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class ModuleLora:
+    """One module's LoRA in the kernels' layout: y += b_t^T (a x)."""
+
     a: torch.Tensor  # [rank, in]
-    b: torch.Tensor  # [out, rank], scaling merged
+    b_t: torch.Tensor  # [rank, out]: PEFT's lora_B transposed, scaling merged
+
+    def pin_memory(self) -> "ModuleLora":
+        return ModuleLora(self.a.pin_memory(), self.b_t.pin_memory())
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,10 @@ class AdapterWeights:
     alpha: float
     target_modules: tuple[str, ...]  # PEFT module names with weights, e.g. ("q_proj", "v_proj")
     modules: dict[tuple[int, str], ModuleLora]  # (layer, PEFT module name) -> weights
+
+    def pin_memory(self) -> "AdapterWeights":
+        """A copy in page-locked host memory, so copies to the device from it run async."""
+        return replace(self, modules={key: m.pin_memory() for key, m in self.modules.items()})
 
 
 def load_peft_adapter(
@@ -243,7 +252,7 @@ def _module(
     if max_rank is not None and rank > max_rank:
         raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
     b_scaled = b.float() * config.scaling(module_key, rank)  # [out, rank]
-    return ModuleLora(a=a.to(dtype).contiguous(), b=b_scaled.to(dtype).contiguous())
+    return ModuleLora(a=a.to(dtype).contiguous(), b_t=b_scaled.t().to(dtype).contiguous())
 
 
 def _check_shapes(label: str, a: torch.Tensor, b: torch.Tensor, shape) -> None:

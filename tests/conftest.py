@@ -4,6 +4,17 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked gpu run only where CUDA is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -106,6 +106,20 @@ def test_staggered_mixed_adapters_equal_peft_alone(
     _assert_idle(engine)
 
 
+@pytest.mark.gpu
+def test_engine_on_cuda_equals_peft_and_keeps_host_adapters_pinned(
+    tiny_models, tiny_adapters, peft_reference
+):
+    prompts, expected = peft_reference
+    engine = _engine(tiny_models, tiny_adapters, device="cuda", max_loras=2, max_num_batched_tokens=16)
+    got = _run_staggered(engine, prompts)
+    for i, tokens in enumerate(expected):
+        assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
+    ready = [engine.host.get(name) for name in tiny_adapters["llama"]]
+    assert all(m.a.is_pinned() and m.b_t.is_pinned() for r in ready for m in r.weights.modules.values())
+    _assert_idle(engine)
+
+
 def _assert_idle(engine: Engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks

@@ -21,7 +21,7 @@ def test_round_trip_and_content_digest(tiny_models, tiny_adapters):
     )
     assert back.modules.keys() == weights.modules.keys()
     for key, module in weights.modules.items():
-        assert torch.equal(back.modules[key].a, module.a) and torch.equal(back.modules[key].b, module.b)
+        assert torch.equal(back.modules[key].a, module.a) and torch.equal(back.modules[key].b_t, module.b_t)
     assert adapter_blob.digest(adapter_blob.encode(back)) == adapter_blob.digest(blob)
     other = load_peft_adapter("q", tiny_adapters["llama"]["qv4"], model, 16, torch.float32)
     assert adapter_blob.digest(adapter_blob.encode(other)) != adapter_blob.digest(blob)

@@ -50,7 +50,7 @@ def test_good_adapter_merges_scaling_into_b(adapter, model_config):
     assert weights.rank == 4 and weights.target_modules == ("q_proj", "v_proj")
     assert set(weights.modules) == {(layer, m) for layer in (0, 1) for m in ("q_proj", "v_proj")}
     torch.testing.assert_close(
-        weights.modules[(0, "q_proj")].b, raw[f"{PREFIX}.self_attn.q_proj.lora_B.weight"] * 2.0
+        weights.modules[(0, "q_proj")].b_t.t(), raw[f"{PREFIX}.self_attn.q_proj.lora_B.weight"] * 2.0
     )
 
 
