@@ -4,12 +4,14 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 CACHE ?= $(CURDIR)/.cache
 
-.PHONY: run test lint bench clean
+PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 
-run: .venv/.runtime
+.PHONY: run test lint protos bench clean
+
+run: .venv/.runtime shared/pb/.built
 	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo
 
-test: .venv/.test
+test: .venv/.test shared/pb/.built
 	$(PY) -m ruff check .
 	LORAMUX_CACHE=$(CACHE) $(PY) -m pytest
 
@@ -33,5 +35,15 @@ lint: .venv/.test
 	$(PIP) install --quiet -e '.[default-model,test]'
 	touch $@
 
+# Generated stubs import as shared.pb.loramux.<service>.v1: protoc's virtual path "shared/pb"
+# maps onto protos/, so the generated imports need no rewriting.
+protos: shared/pb/.built
+
+shared/pb/.built: $(PROTOS) .venv/.runtime
+	$(PY) -m grpc_tools.protoc -I shared/pb=protos \
+		-I $$($(PY) -c 'import grpc_tools, os; print(os.path.dirname(grpc_tools.__file__))')/_proto \
+		--python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch $@
+
 clean:
-	rm -rf .venv .cache .pytest_cache .ruff_cache
+	rm -rf .venv .cache .pytest_cache .ruff_cache shared/pb

@@ -1,1 +1,1 @@
-"""The adapter store sidecar: sources, validation, optimization, catalog, gRPC servicer (not built yet)."""
+"""The adapter store sidecar: sources, validation, optimization, catalog, gRPC servicer."""

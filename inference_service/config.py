@@ -4,9 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.dtypes import DTYPES
 from shared.errors import InvalidArgument
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -151,16 +151,21 @@ def _read_tensors(adapter_dir: Path, where: str) -> dict[str, torch.Tensor]:
     if not path.is_file():
         pickles = [p for p in PICKLE_FILES if (adapter_dir / p).exists()]
         if pickles:
-            raise InvalidArgument(
-                f"{where}: {pickles[0]} is a pickle checkpoint, refused because loading it can "
-                f"run arbitrary code; save the adapter with safetensors ({WEIGHTS_FILE})"
-            )
+            raise pickle_refusal(where, pickles[0])
         raise InvalidArgument(f"{where}: {adapter_dir} has no {WEIGHTS_FILE}")
     try:
         with safe_open(path, framework="pt") as f:
             return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - not a mapping
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise InvalidArgument(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
+
+
+def pickle_refusal(where: str, file_name: str) -> InvalidArgument:
+    """The error for a checkpoint that only comes as a pickle; the file is never unpickled."""
+    return InvalidArgument(
+        f"{where}: {file_name} is a pickle checkpoint, refused because loading it can run "
+        f"arbitrary code; save the adapter with safetensors ({WEIGHTS_FILE})"
+    )
 
 
 def _pair_tensors(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[int, str], tuple]:
