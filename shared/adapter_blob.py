@@ -9,6 +9,8 @@ JSON: the same content always encodes to the same bytes, hence the same digest.
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
+from typing import BinaryIO
 
 from safetensors.torch import load, save
 
@@ -17,6 +19,25 @@ from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 FORMAT = "loramux-adapter/2"
 METADATA_KEY = "loramux"
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16" or "float16"
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """What a blob holds, read from its header alone."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dtype: str
+    tensors: tuple[TensorInfo, ...]
 
 
 def encode(weights: AdapterWeights) -> bytes:
@@ -54,6 +75,24 @@ def decode(blob: bytes) -> AdapterWeights:
         float(metadata["alpha"]),
         tuple(metadata["target_modules"]),
         dict(sorted(modules.items())),
+    )
+
+
+def read_info(f: BinaryIO) -> BlobInfo:
+    """The header of the blob open in `f` (read from its start)."""
+    (size,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(size))
+    metadata = json.loads((header.pop("__metadata__", None) or {}).get(METADATA_KEY, "{}"))
+    tensors = tuple(
+        TensorInfo(name, tuple(t["shape"]), SAFETENSORS_DTYPES[t["dtype"]])
+        for name, t in sorted(header.items())
+    )
+    return BlobInfo(
+        int(metadata["rank"]),
+        float(metadata["alpha"]),
+        tuple(metadata["target_modules"]),
+        tensors[0].dtype,
+        tensors,
     )
 
 

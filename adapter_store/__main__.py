@@ -1,0 +1,65 @@
+"""python -m adapter_store --listen HOST:PORT --data-dir DIR [--allowed-root DIR ...]
+[--s3-endpoint URL] [--s3-allowed-bucket NAME ...] [--admin-token TOKEN] [--base-model DIR]"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvloop
+
+from adapter_store.config import StoreConfig
+from adapter_store.server import serve
+from shared.dtypes import DTYPES
+from shared.errors import LoramuxError
+
+
+def parse_config(argv: list[str]) -> StoreConfig:
+    p = argparse.ArgumentParser(prog="python -m adapter_store", description="The loramux adapter store.")
+    p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (port 0 picks a free one)")
+    p.add_argument("--data-dir", type=Path, required=True, help="where blobs and the catalog live")
+    p.add_argument(
+        "--allowed-root", type=Path, action="append", default=[], help="file:// sources must be under one"
+    )
+    p.add_argument(
+        "--s3-endpoint",
+        default=os.environ.get("LORAMUX_S3_ENDPOINT"),
+        help="S3 API endpoint URL (default: $LORAMUX_S3_ENDPOINT, else boto3's own)",
+    )
+    p.add_argument("--s3-allowed-bucket", action="append", default=[], help="s3:// sources must name one")
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("LORAMUX_ADMIN_TOKEN"),
+        help="bearer token admin RPCs need (default: $LORAMUX_ADMIN_TOKEN; none = open)",
+    )
+    p.add_argument("--base-model", type=Path, help="HF model folder adapters are validated against")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="serving dtype of stored blobs")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest source file accepted")
+    args = p.parse_args(argv)
+    return StoreConfig(
+        data_dir=args.data_dir,
+        listen=args.listen,
+        allowed_roots=tuple(args.allowed_root),
+        s3_endpoint=args.s3_endpoint,
+        s3_allowed_buckets=tuple(args.s3_allowed_bucket),
+        admin_token=args.admin_token,
+        base_model=args.base_model,
+        dtype=args.dtype,
+        max_lora_rank=args.max_lora_rank,
+        max_adapter_bytes=args.max_adapter_bytes,
+    )
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(sys.argv[1:])
+    except LoramuxError as e:
+        sys.exit(f"adapter store: {e}")
+    uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

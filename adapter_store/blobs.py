@@ -1,0 +1,94 @@
+"""BlobStore: optimized adapter blobs on disk, one file per digest at `root/sha256/<hex>`.
+
+A store process may be SIGKILLed at any moment, so a blob only ever appears under its final
+name whole and fsynced (temp file, fsync, rename, fsync of the directory); temp files left by a
+killed write are removed at start. Readers get an open file, so a delete never breaks a fetch
+that is already streaming: on POSIX the descriptor keeps the unlinked file alive.
+"""
+
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+from shared.adapter_blob import digest as blob_digest
+from shared.errors import NotFound
+
+# Strict, so a digest from a request can never name a path outside the blob directory.
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+_HEX_NAME = re.compile(r"[0-9a-f]{64}")
+# A leading dot and a non-hex word: a temp name can never be taken for a digest.
+_TEMP_PREFIX = ".tmp-"
+
+
+class BlobStore:
+    def __init__(self, root: Path):
+        self._dir = Path(root) / "sha256"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._remove_temp_files()
+
+    def put(self, blob: bytes) -> str:
+        digest = blob_digest(blob)
+        path = self._path(digest)
+        if not path.exists():
+            self._write_atomically(path, blob)
+        return digest
+
+    def open(self, digest: str) -> BinaryIO:
+        try:
+            return self._path(digest).open("rb")
+        except FileNotFoundError:
+            raise NotFound(f"blob {digest} not found") from None
+
+    def size(self, digest: str) -> int:
+        try:
+            return self._path(digest).stat().st_size
+        except FileNotFoundError:
+            raise NotFound(f"blob {digest} not found") from None
+
+    def exists(self, digest: str) -> bool:
+        return _DIGEST.fullmatch(digest) is not None and self._path(digest).is_file()
+
+    def delete(self, digest: str) -> None:
+        self._path(digest).unlink(missing_ok=True)
+
+    def digests(self) -> set[str]:
+        return {f"sha256:{name}" for name in os.listdir(self._dir) if _HEX_NAME.fullmatch(name)}
+
+    def verify(self, digest: str) -> bool:
+        """Re-hashes the file: False when the bytes on disk no longer match their name."""
+        with self.open(digest) as f:
+            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest() == digest
+
+    def _path(self, digest: str) -> Path:
+        match = _DIGEST.fullmatch(digest)
+        if match is None:
+            raise NotFound(f"blob {digest!r} not found: not a sha256:<64 lowercase hex> digest")
+        return self._dir / match.group(1)
+
+    def _write_atomically(self, path: Path, blob: bytes) -> None:
+        fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self._dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        self._fsync_dir()
+
+    def _fsync_dir(self) -> None:
+        """Makes the rename itself durable: without it a crash may lose the directory entry."""
+        fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _remove_temp_files(self) -> None:
+        for path in self._dir.glob(f"{_TEMP_PREFIX}*"):
+            path.unlink(missing_ok=True)

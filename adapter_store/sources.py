@@ -1,0 +1,75 @@
+"""fetch_source: copy a PEFT checkpoint from its source uri into a local folder.
+
+Each kind of source (local_source, s3_source) only locates files and streams them; which files a
+checkpoint must have, the pickle refusal and the size limit are decided here, once for all."""
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from adapter_store.config import StoreConfig
+from adapter_store.local_source import LocalSource
+from adapter_store.s3_source import S3Source
+from shared.errors import InvalidArgument
+from shared.peft_checkpoint import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE, pickle_refusal
+
+SOURCES = (("file://", LocalSource), ("s3://", S3Source))
+CHUNK_BYTES = 1 << 20
+
+
+class Source(Protocol):
+    uri: str  # normalized, what the catalog records
+
+    def size(self, name: str) -> int | None:
+        """Bytes in file `name` of the checkpoint, None when absent; never reads the file."""
+
+    def open(self, name: str) -> AbstractContextManager[BinaryIO]:
+        """A stream of file `name`'s bytes."""
+
+
+def fetch_source(uri: str, config: StoreConfig, dest: Path, where: str) -> str:
+    """Copy the checkpoint at `uri` (adapter_config.json and adapter_model.safetensors) into the
+    empty folder `dest`; returns the normalized source uri to record. `where` is e.g. "adapter 'x'"
+    for error messages. On error `dest` may hold a partial copy, for the caller to discard."""
+    source = _open_source(uri, config, where)
+    for name in _checkpoint_files(source, where):
+        _copy(source, name, config.max_adapter_bytes, dest / name, where)
+    return source.uri
+
+
+def _open_source(uri: str, config: StoreConfig, where: str) -> Source:
+    for scheme, source in SOURCES:
+        if uri.startswith(scheme):
+            return source(uri, config, where)
+    schemes = " or ".join(f"{scheme}..." for scheme, _ in SOURCES)
+    raise InvalidArgument(f"{where}: source uri {uri!r} is not supported; use {schemes}")
+
+
+def _checkpoint_files(source: Source, where: str) -> tuple[str, ...]:
+    # Weights first: for a pickle-only checkpoint, the refusal is the message worth reading.
+    if source.size(WEIGHTS_FILE) is None:
+        pickles = [name for name in PICKLE_FILES if source.size(name) is not None]
+        if pickles:
+            raise pickle_refusal(where, pickles[0])
+        raise InvalidArgument(f"{where}: {source.uri} has no {WEIGHTS_FILE}")
+    if source.size(CONFIG_FILE) is None:
+        raise InvalidArgument(f"{where}: {source.uri} has no {CONFIG_FILE}")
+    return CONFIG_FILE, WEIGHTS_FILE
+
+
+def _copy(source: Source, name: str, limit: int, target: Path, where: str) -> None:
+    size = source.size(name)
+    if size is not None and size > limit:
+        raise _too_large(where, name, f"{size} bytes", limit)
+    copied = 0
+    with source.open(name) as stream, target.open("xb") as out:
+        # The file may have grown since it was measured, so the limit holds for what arrives.
+        while chunk := stream.read(CHUNK_BYTES):
+            copied += len(chunk)
+            if copied > limit:
+                raise _too_large(where, name, f"more than {limit} bytes", limit)
+            out.write(chunk)
+
+
+def _too_large(where: str, name: str, size: str, limit: int) -> InvalidArgument:
+    return InvalidArgument(f"{where}: {name} is {size}, above this store's limit of {limit} bytes per file")
