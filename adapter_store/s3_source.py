@@ -4,7 +4,7 @@ Needs s3:ListBucket (one listing learns which files exist and their sizes, and t
 bucket from a missing file) and s3:GetObject. Credentials come from the environment, as boto3
 finds them by default; the endpoint only from the store's config, never from a request."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
@@ -17,7 +17,8 @@ from shared.errors import InvalidArgument, LoramuxError, NotFound, PermissionDen
 
 
 class S3Source:
-    def __init__(self, uri: str, config: StoreConfig, where: str):
+    def __init__(self, uri: str, config: StoreConfig, where: str, client: Callable[[], object]):
+        """`client` gives the store's one S3 client (thread-safe, slow to build)."""
         self._where = where
         self._bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         prefix = prefix.rstrip("/")
@@ -31,7 +32,7 @@ class S3Source:
             raise PermissionDenied(
                 f"{where}: bucket {self._bucket!r} is not one of the allowed buckets ({allowed})"
             )
-        self._client = _client(config)
+        self._client = client()
         self._endpoint = self._client.meta.endpoint_url
         self._sizes = self._list_sizes()
 
@@ -84,7 +85,7 @@ class S3Source:
         return InvalidArgument(f"{self._where}: reading {what} failed ({said}: {e})")
 
 
-def _client(config: StoreConfig):
+def s3_client(config: StoreConfig):
     # A session of its own: boto3's shared default session is not safe to use from many threads.
     return boto3.session.Session().client(
         "s3",

@@ -1,19 +1,20 @@
-"""fetch_source: copy a PEFT checkpoint from its source uri into a local folder.
+"""Sources: copy a PEFT checkpoint from its source uri into a local folder.
 
 Each kind of source (local_source, s3_source) only locates files and streams them; which files a
 checkpoint must have, the pickle refusal and the size limit are decided here, once for all."""
 
+import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from adapter_store.config import StoreConfig
 from adapter_store.local_source import LocalSource
-from adapter_store.s3_source import S3Source
+from adapter_store.s3_source import S3Source, s3_client
 from shared.errors import InvalidArgument
 from shared.peft_checkpoint import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE, pickle_refusal
 
-SOURCES = (("file://", LocalSource), ("s3://", S3Source))
+SCHEMES = ("file://", "s3://")
 CHUNK_BYTES = 1 << 20
 
 
@@ -27,22 +28,38 @@ class Source(Protocol):
         """A stream of file `name`'s bytes."""
 
 
-def fetch_source(uri: str, config: StoreConfig, dest: Path, where: str) -> str:
-    """Copy the checkpoint at `uri` (adapter_config.json and adapter_model.safetensors) into the
-    empty folder `dest`; returns the normalized source uri to record. `where` is e.g. "adapter 'x'"
-    for error messages. On error `dest` may hold a partial copy, for the caller to discard."""
-    source = _open_source(uri, config, where)
-    for name in _checkpoint_files(source, where):
-        _copy(source, name, config.max_adapter_bytes, dest / name, where)
-    return source.uri
+class Sources:
+    """The sources of one store. Its S3 client is built once, on the first s3:// fetch: boto3
+    clients are thread-safe, and building one costs more than fetching a small adapter."""
 
+    def __init__(self, config: StoreConfig):
+        self._config = config
+        self._s3 = None
+        self._lock = threading.Lock()
 
-def _open_source(uri: str, config: StoreConfig, where: str) -> Source:
-    for scheme, source in SOURCES:
-        if uri.startswith(scheme):
-            return source(uri, config, where)
-    schemes = " or ".join(f"{scheme}..." for scheme, _ in SOURCES)
-    raise InvalidArgument(f"{where}: source uri {uri!r} is not supported; use {schemes}")
+    def fetch(self, uri: str, dest: Path, where: str) -> str:
+        """Copy the checkpoint at `uri` (adapter_config.json and adapter_model.safetensors) into
+        the empty folder `dest`; returns the normalized source uri to record. `where` is e.g.
+        "adapter 'x'" for messages. On error `dest` may hold a partial copy, for the caller to
+        discard."""
+        source = self._open(uri, where)
+        for name in _checkpoint_files(source, where):
+            _copy(source, name, self._config.max_adapter_bytes, dest / name, where)
+        return source.uri
+
+    def _open(self, uri: str, where: str) -> Source:
+        if uri.startswith("file://"):
+            return LocalSource(uri, self._config, where)
+        if uri.startswith("s3://"):
+            return S3Source(uri, self._config, where, self._s3_client)
+        schemes = " or ".join(f"{scheme}..." for scheme in SCHEMES)
+        raise InvalidArgument(f"{where}: source uri {uri!r} is not supported; use {schemes}")
+
+    def _s3_client(self):
+        with self._lock:
+            if self._s3 is None:
+                self._s3 = s3_client(self._config)
+            return self._s3
 
 
 def _checkpoint_files(source: Source, where: str) -> tuple[str, ...]:

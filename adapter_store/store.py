@@ -13,7 +13,7 @@ from adapter_store.blobs import BlobStore
 from adapter_store.catalog import AdapterRecord, Catalog
 from adapter_store.config import StoreConfig
 from adapter_store.events import CatalogEvent, EventHub, Subscription
-from adapter_store.sources import fetch_source
+from adapter_store.sources import Sources
 from shared import adapter_blob
 from shared.errors import InvalidArgument, NotFound
 from shared.model_config import ModelConfig
@@ -30,6 +30,7 @@ class Store:
         self.blobs = BlobStore(config.data_dir / "blobs")
         self.catalog = Catalog(config.data_dir / "catalog.sqlite")
         self.events = EventHub()
+        self._sources = Sources(config)
         self._model = ModelConfig.from_dir(config.base_model) if config.base_model else None
         # Blob writes and catalog rows change together under this lock, so a delete never
         # removes a blob that a registration is about to reference.
@@ -41,7 +42,7 @@ class Store:
         check_adapter_id(adapter_id)
         where = f"adapter {adapter_id!r}"
         with tempfile.TemporaryDirectory(dir=self._incoming) as folder:
-            source = fetch_source(source_uri, self.config, Path(folder), where)
+            source = self._sources.fetch(source_uri, Path(folder), where)
             weights = load_peft_adapter(
                 adapter_id, folder, self._model, self.config.max_lora_rank, self.config.torch_dtype
             )

@@ -18,7 +18,7 @@ import torch
 from moto.server import ThreadedMotoServer
 
 from adapter_store.config import StoreConfig
-from adapter_store.sources import fetch_source
+from adapter_store.sources import Sources
 from shared.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from shared.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
 
@@ -68,7 +68,7 @@ def _config(tmp_path: Path, **overrides) -> StoreConfig:
 
 
 def _fetch(uri: str, config: StoreConfig, dest: Path) -> str:
-    return fetch_source(uri, config, dest, "adapter 'x'")
+    return Sources(config).fetch(uri, dest, "adapter 'x'")
 
 
 def _assert_copied(dest: Path, source: Path) -> None:

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.random_adapter import write_random_adapter
+from inference_service.host_tier import ReadyAdapter
 from shared import adapter_blob
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
@@ -58,6 +59,7 @@ def test_register_from_disk_and_s3_gives_one_content_identity(stub, sources_root
         assert torch.equal(got.modules[key].a, module.a) and torch.equal(got.modules[key].b_t, module.b_t)
     tensors = {t.name: tuple(t.shape) for t in header.tensors}
     assert tensors["layers.0.q_proj.lora_a"] == (4, 64)
+    assert ReadyAdapter.of("qv4", expected).digest == local.digest  # the worker's own loader agrees
 
 
 def test_same_id_same_content_is_idempotent_and_new_content_already_exists(stub, sources_root):

@@ -1,0 +1,116 @@
+"""Adapter registration against reading the same bytes: a rank-16 all-linear adapter of the
+default model, registered through a real store process from disk and from S3 (moto's server on
+loopback), beside a plain read of its files from each. Medians of several runs, interleaved.
+
+    .venv/bin/python -m bench.store_register [--repeats 5]
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import grpc
+from moto.server import ThreadedMotoServer
+
+from bench.random_adapter import write_random_adapter
+from inference_service.default_model import prepare_default_model
+from shared.model_config import ModelConfig
+from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
+from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
+
+BUCKET, RANK = "bench", 16
+AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def start_store(data_dir: Path, root: Path, endpoint: str, model_dir: Path) -> tuple[subprocess.Popen, str]:
+    flags = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--allowed-root", str(root)]
+    flags += ["--s3-endpoint", endpoint, "--s3-allowed-bucket", BUCKET, "--base-model", str(model_dir)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "adapter_store", *flags],
+        env={**os.environ, **AWS},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    return process, process.stdout.readline().split()[-1]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.update(AWS)
+    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    endpoint = "http://{}:{}".format(*moto.get_host_and_port())
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    s3.create_bucket(Bucket=BUCKET)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "sources"
+        folder = write_random_adapter(ModelConfig.from_dir(model_dir), root / "r16", RANK, seed=0)
+        files = sorted(folder.iterdir())
+        for path in files:
+            s3.upload_file(str(path), BUCKET, f"r16/{path.name}")
+        size = sum(p.stat().st_size for p in files)
+        process, address = start_store(Path(tmp) / "data", root, endpoint, model_dir)
+        try:
+            with grpc.insecure_channel(address) as channel:
+                times = run(pb_grpc.AdapterStoreStub(channel), s3, folder, files, args.repeats)
+        finally:
+            process.terminate()
+            process.wait()
+    moto.stop()
+    report(times, size, args.repeats)
+
+
+def run(stub, s3, folder: Path, files: list[Path], repeats: int) -> dict[str, list[float]]:
+    def register(uri: str, i: int):
+        return lambda: stub.RegisterAdapter(pb.RegisterAdapterRequest(adapter_id=f"a{i}", source_uri=uri))
+
+    cases = {
+        "read from disk": lambda i: lambda: [p.read_bytes() for p in files],
+        "register from disk": lambda i: register(f"file://{folder}", i),
+        "read from S3": lambda i: (
+            lambda: [s3.get_object(Bucket=BUCKET, Key=f"r16/{p.name}")["Body"].read() for p in files]
+        ),
+        "register from S3": lambda i: register(f"s3://{BUCKET}/r16", i),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(repeats + 1):  # round 0 warms up and is dropped
+        for name, case in cases.items():
+            took = timed(case(i))
+            if i:
+                times[name].append(took)
+    return times
+
+
+def report(times: dict[str, list[float]], size: int, repeats: int) -> None:
+    print(
+        f"rank-{RANK} all-linear adapter of the default model, {size / 1e6:.1f} MB of safetensors, "
+        f"median of {repeats}"
+    )
+    median = {name: statistics.median(t) for name, t in times.items()}
+    for name, seconds in median.items():
+        print(f"{name:20s} {seconds * 1000:8.1f} ms")
+    for source in ("disk", "S3"):
+        ratio = median[f"register from {source}"] / median[f"read from {source}"]
+        print(f"register / read, {source}: {ratio:6.1f}x")
+
+
+if __name__ == "__main__":
+    main()
