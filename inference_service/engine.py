@@ -19,7 +19,7 @@ import torch
 from inference_service.config import EngineConfig
 from inference_service.detokenizer import IncrementalDetokenizer
 from inference_service.forward_batch import SequenceInput
-from inference_service.host_tier import HostTier, ReadyAdapter
+from inference_service.host_tier import AdapterLoader, HostTier, ReadyAdapter
 from inference_service.kv_cache import BlockAllocator
 from inference_service.local_loader import LocalAdapterLoader
 from inference_service.metrics import EngineMetrics
@@ -29,11 +29,11 @@ from inference_service.scheduler import ScheduledChunk, Scheduler
 from inference_service.sequence import Sequence, Status
 from inference_service.slots import SlotPool
 from inference_service.tokenizer import Tokenizer
-from shared.errors import InvalidArgument, LoramuxError, NotFound
+from shared.errors import FailedPrecondition, InvalidArgument, LoramuxError, NotFound
 from shared.names import check_adapter_id
 from shared.peft_checkpoint import load_peft_adapter
 
-__all__ = ["Delta", "Engine", "EngineConfig", "Request", "RequestOutput"]
+__all__ = ["AdapterState", "Delta", "Engine", "EngineConfig", "Request", "RequestOutput"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,14 @@ class RequestOutput:
         )
 
 
+@dataclass(frozen=True, order=True)
+class AdapterState:
+    name: str
+    digest: str  # empty while loading
+    location: str  # "device" | "host" | "loading"
+    pinned: bool
+
+
 @dataclass(eq=False)
 class _Tracked:
     seq: Sequence
@@ -93,7 +101,7 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loader: LocalAdapterLoader | None = None):
+    def __init__(self, config: EngineConfig, loader: AdapterLoader | None = None):
         self.config = config
         self.runner = ModelRunner(config)
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
@@ -124,6 +132,8 @@ class Engine:
         """Validate and optimize a local PEFT adapter and put it in the host tier; returns its
         content digest. Re-adding a name replaces its weights for new requests."""
         check_adapter_id(name)
+        if not isinstance(self.loader, LocalAdapterLoader):
+            raise FailedPrecondition(f"adapter {name!r}: this engine's adapters come from the adapter store")
         weights = load_peft_adapter(
             name, peft_dir, self.runner.model_config, self.config.max_lora_rank, self.config.torch_dtype
         )
@@ -134,10 +144,11 @@ class Engine:
             self.host.put(ready)
         return ready.digest
 
-    def remove_adapter(self, name: str) -> None:
+    def remove_adapter(self, name: str, missing_ok: bool = False) -> None:
         """New requests for `name` get NotFound; running ones finish on the weights they have."""
         with self._lock:
-            self._require_adapter(name)
+            if not missing_ok:
+                self._require_adapter(name)
             self.loader.unregister(name)
             self.host.remove(name)
 
@@ -150,6 +161,28 @@ class Engine:
         with self._lock:
             self._require_adapter(name)
             self.host.unpin(name)
+
+    def is_pinned(self, name: str) -> bool:
+        with self._lock:
+            return self.host.is_pinned(name)
+
+    def held_digests(self) -> dict[str, str]:
+        """Adapter name -> digest of every adapter ready in host memory."""
+        with self._lock:
+            return {name: digest for name, digest, _ in self.host.held() if digest is not None}
+
+    def adapter_states(self) -> list[AdapterState]:
+        """Every adapter held: in a device slot, in host memory, or loading; by name."""
+        with self._lock:
+            return sorted(
+                AdapterState(name, digest or "", self._location(digest), pinned)
+                for name, digest, pinned in self.host.held()
+            )
+
+    def _location(self, digest: str | None) -> str:
+        if digest is None:
+            return "loading"
+        return "device" if self.slots.resident(digest) is not None else "host"
 
     def _require_adapter(self, name: str) -> None:
         if name not in self.loader:
@@ -173,6 +206,11 @@ class Engine:
             self._tracked[request.request_id] = _Tracked(seq, detokenizer, sink)
             self.scheduler.add(seq)
             self._work.notify()
+
+    def abort_all(self) -> None:
+        with self._lock:
+            for tracked in list(self._tracked.values()):
+                self._finish(tracked, "abort")
 
     def abort(self, request_id: str) -> None:
         """Finish the request now: its KV blocks and slot reference are freed at once."""
@@ -256,7 +294,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Requests to run, or loads to install (a preloaded adapter lands without a request)."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self.host.loading)
 
     # --- one step -------------------------------------------------------------------------
 

@@ -7,15 +7,21 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shared import adapter_blob
-from shared.errors import FailedPrecondition
 from shared.peft_checkpoint import AdapterWeights
 
 
 class AdapterLoader(Protocol):
-    """Where adapters come from: a local PEFT folder now, the adapter store later."""
+    """Where adapters come from: local PEFT folders (LocalAdapterLoader) or the adapter store
+    (StoreAdapterLoader)."""
 
     def load(self, name: str) -> AdapterWeights:
         """Blocking; runs on a loader thread. Raises a LoramuxError naming the cause."""
+
+    def __contains__(self, name: str) -> bool:
+        """Whether requests may name this adapter."""
+
+    def unregister(self, name: str) -> None:
+        """Forget the adapter: new requests for it get NotFound."""
 
 
 @dataclass(frozen=True)
@@ -83,17 +89,26 @@ class HostTier:
         self._loading.pop(name, None)
 
     def pin(self, name: str) -> None:
-        if name not in self._ready:
-            raise FailedPrecondition(f"adapter {name!r} is not loaded; pin it after it has been added")
+        """Keep `name` for good; an adapter not held yet starts loading now (a preload)."""
         self._pinned.add(name)
+        if name not in self._ready and name not in self._loading:
+            self._loading[name] = self._pool.submit(self._load, name)
 
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
         self._evict()
 
+    def is_pinned(self, name: str) -> bool:
+        return name in self._pinned
+
     @property
     def loading(self) -> int:
         return len(self._loading)
+
+    def held(self) -> list[tuple[str, str | None, bool]]:
+        """(name, digest or None while loading, pinned) of every adapter ready or loading."""
+        ready = [(n, r.digest, n in self._pinned) for n, r in self._ready.items()]
+        return ready + [(n, None, n in self._pinned) for n in self._loading if n not in self._ready]
 
     def __len__(self) -> int:
         return len(self._ready)

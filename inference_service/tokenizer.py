@@ -73,6 +73,10 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt for a conversation, as transformers' apply_chat_template(tokenize=False) renders it."""
         if self._template is None:

@@ -26,7 +26,8 @@ STATUS = {
 
 
 def status_of(error: errors.LoramuxError) -> grpc.StatusCode:
-    return STATUS[type(error)]
+    """The status of the most specific mapped class; INTERNAL for a bare LoramuxError."""
+    return next((STATUS[c] for c in type(error).__mro__ if c in STATUS), grpc.StatusCode.INTERNAL)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

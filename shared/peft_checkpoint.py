@@ -74,6 +74,9 @@ class ModuleLora:
     def pin_memory(self) -> "ModuleLora":
         return ModuleLora(self.a.pin_memory(), self.b_t.pin_memory())
 
+    def to(self, dtype: torch.dtype) -> "ModuleLora":
+        return ModuleLora(self.a.to(dtype), self.b_t.to(dtype))
+
 
 @dataclass(frozen=True)
 class AdapterWeights:
@@ -85,6 +88,22 @@ class AdapterWeights:
     def pin_memory(self) -> "AdapterWeights":
         """A copy in page-locked host memory, so copies to the device from it run async."""
         return replace(self, modules={key: m.pin_memory() for key, m in self.modules.items()})
+
+    def to(self, dtype: torch.dtype) -> "AdapterWeights":
+        return replace(self, modules={key: m.to(dtype) for key, m in self.modules.items()})
+
+    def check_fits(self, name: str, model: ModelConfig) -> None:
+        """Refuse weights shaped for another base model (a store may serve several)."""
+        shapes = model.linear_shapes()
+        for (layer, module), m in self.modules.items():
+            want = shapes[module]
+            fits = m.a.shape[1] == want.in_features and m.b_t.shape[1] == want.out_features
+            if layer >= model.num_layers or not fits:
+                raise FailedPrecondition(
+                    f"adapter {name!r}: layers.{layer}.{module} has A {tuple(m.a.shape)} and B^T "
+                    f"{tuple(m.b_t.shape)}; this worker's model ({model.num_layers} layers) expects "
+                    f"[r, {want.in_features}] and [r, {want.out_features}]"
+                )
 
 
 def load_peft_adapter(

@@ -1,0 +1,69 @@
+"""python -m inference_service --listen HOST:PORT --store HOST:PORT --model DIR [--device cpu|cuda]
+[--dtype float32|bfloat16|float16] [--max-loras N] [--max-lora-rank R] [--max-cpu-loras M]"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvloop
+
+from inference_service.config import EngineConfig
+from inference_service.default_model import prepare_default_model
+from inference_service.server import serve
+from inference_service.worker_config import WorkerConfig
+from shared.dtypes import DTYPES
+from shared.errors import LoramuxError
+
+
+def parse_config(argv: list[str]) -> WorkerConfig:
+    p = argparse.ArgumentParser(prog="python -m inference_service", description="A loramux inference worker.")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0 picks a free one)")
+    p.add_argument("--store", help="adapter store HOST:PORT (none: base model only)")
+    p.add_argument("--model", help="HF model folder (default: SmolLM2-135M-Instruct under $LORAMUX_CACHE)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--max-loras", type=int, default=4, help="device slots: distinct adapters per step")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-cpu-loras", type=int, default=8, help="adapters kept ready in host memory")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
+    p.add_argument("--api-token", default=os.environ.get("LORAMUX_API_TOKEN"), help="token Generate needs")
+    args = p.parse_args(argv)
+    cache = Path(os.environ.get("LORAMUX_CACHE", ".cache"))
+    model = args.model or str(prepare_default_model(cache))
+    engine = EngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
+    return WorkerConfig(
+        engine=engine,
+        cache_dir=cache / "adapters",
+        listen=args.listen,
+        store=args.store,
+        api_token=args.api_token,
+        max_pending=args.max_pending,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(sys.argv[1:])
+    except LoramuxError as e:
+        sys.exit(f"inference worker: {e}")
+    uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Proto <-> domain conversion for the InferenceService, in one place."""
+
+from pathlib import Path
+
+from inference_service.engine import AdapterState, Delta, Engine, Request
+from inference_service.sampling import SamplingParams
+from inference_service.tokenizer import Tokenizer
+from shared.errors import InvalidArgument
+from shared.names import check_adapter_id
+from shared.pb.loramux.inference.v1 import inference_pb2 as pb
+
+OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+LOCATIONS = {
+    "device": pb.ADAPTER_LOCATION_DEVICE,
+    "host": pb.ADAPTER_LOCATION_HOST,
+    "loading": pb.ADAPTER_LOCATION_LOADING,
+}
+
+
+def request(message: pb.GenerateRequest, tokenizer: Tokenizer | None) -> Request:
+    adapter = check_adapter_id(message.adapter) if message.adapter else None
+    ids = prompt_ids(message, tokenizer)
+    kwargs = {"request_id": message.request_id} if message.request_id else {}
+    return Request(ids, adapter, sampling(message.sampling), **kwargs)
+
+
+def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None) -> list[int]:
+    kind = message.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("GenerateRequest has no input: set text, token_ids or chat")
+    if kind == "token_ids":
+        return list(message.token_ids.ids)
+    if tokenizer is None:
+        raise InvalidArgument(f"this model has no tokenizer, so {kind} input cannot be used; send token_ids")
+    if kind == "text":
+        return tokenizer.encode(message.text)
+    messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def sampling(message: pb.SamplingParams) -> SamplingParams:
+    given = {name: getattr(message, name) for name in OPTIONAL_SAMPLING if message.HasField(name)}
+    return SamplingParams(
+        **given,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs,
+    )
+
+
+def delta(d: Delta) -> pb.GenerateResponse:
+    logprobs = [
+        pb.TokenLogprob(
+            token_id=token, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+        )
+        for token, lp in zip(d.token_ids, d.logprobs, strict=False)
+    ]
+    return pb.GenerateResponse(delta=pb.Delta(token_ids=d.token_ids, text=d.text, logprobs=logprobs))
+
+
+def final(d: Delta, first_token_s: float, total_s: float) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        final=pb.Final(
+            finish_reason=FINISH_REASONS[d.finish_reason],
+            usage=pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens),
+            timings=pb.Timings(time_to_first_token_s=first_token_s, total_s=total_s),
+        )
+    )
+
+
+def adapters(states: list[AdapterState]) -> pb.ListAdaptersResponse:
+    return pb.ListAdaptersResponse(
+        adapters=[
+            pb.WorkerAdapter(
+                adapter_id=s.name, digest=s.digest, location=LOCATIONS[s.location], pinned=s.pinned
+            )
+            for s in states
+        ]
+    )
+
+
+def model_info(engine: Engine) -> pb.ModelInfo:
+    config, model = engine.config, engine.runner.model_config
+    tokenizer = engine.tokenizer
+    return pb.ModelInfo(
+        model_name=Path(config.model).name,
+        model_type=model.model_type,
+        vocab_size=model.vocab_size,
+        max_model_len=min(config.max_model_len, model.max_position_embeddings),
+        dtype=config.dtype,
+        device=config.device,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        eos_token_ids=tokenizer.eos_token_ids if tokenizer else model.eos_token_ids,
+        has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+    )

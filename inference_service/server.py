@@ -1,0 +1,107 @@
+"""Run an inference worker: gRPC server first (liveness), then the model (readiness), the
+adapter store link, and on SIGTERM a drain: readiness off, new calls refused, streams in flight
+finish within the drain timeout, then exit."""
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from inference_service.admission import Admission
+from inference_service.engine import Engine
+from inference_service.servicer import SERVICE, InferenceServicer
+from inference_service.store_loader import StoreAdapterLoader
+from inference_service.store_watch import StoreWatch
+from inference_service.worker_config import WorkerConfig
+from shared.errors import InvalidArgument
+from shared.grpc_server import ErrorInterceptor, TokenInterceptor, add_health_and_reflection
+from shared.model_config import ModelConfig
+from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 16 << 20  # a long token-id prompt fits; nothing else comes close
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+async def serve(config: WorkerConfig) -> None:
+    admission = Admission(config.max_pending)
+    servicer = InferenceServicer(admission)
+    server, health = await _start_server(config, servicer)
+    await health.set("readiness", NOT_SERVING)
+    await health.set(SERVICE, NOT_SERVING)
+    store = grpc.insecure_channel(config.store, options=CHANNEL_OPTIONS) if config.store else None
+    engine, watch = await asyncio.to_thread(_build_engine, config, store)
+    servicer.engine = engine
+    await health.set("readiness", SERVING)
+    await health.set(SERVICE, SERVING)
+    log.info("ready: model %s, %s", config.engine.model, f"store {config.store}" if store else "no store")
+    await _until_signal()
+    await _drain(config, server, health, admission, engine)
+    if watch is not None:
+        watch.stop()
+    if store is not None:
+        store.close()
+
+
+async def _start_server(config: WorkerConfig, servicer: InferenceServicer):
+    interceptors = [ErrorInterceptor()]
+    if config.api_token:
+        interceptors.insert(0, TokenInterceptor(config.api_token, [f"/{SERVICE}/Generate"]))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            *CHANNEL_OPTIONS,
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ],
+    )
+    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    health = await add_health_and_reflection(server, [SERVICE, "liveness", "readiness"])
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise InvalidArgument(f"cannot listen on {config.listen}")
+    await server.start()
+    print(f"inference worker listening on {config.listen.rsplit(':', 1)[0]}:{port}", flush=True)
+    return server, health
+
+
+def _build_engine(config: WorkerConfig, store: grpc.Channel | None) -> tuple[Engine, StoreWatch | None]:
+    if store is None:
+        engine = Engine(config.engine)
+        engine.start()
+        return engine, None
+    e = config.engine
+    model = ModelConfig.from_dir(e.model)
+    loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype)
+    engine = Engine(e, loader)
+    engine.start()
+    watch = StoreWatch(store, engine, loader)
+    watch.start()
+    return engine, watch
+
+
+async def _drain(config, server, health, admission: Admission, engine: Engine) -> None:
+    log.info("draining: new calls are refused, streams in flight get %.0f s", config.drain_timeout_s)
+    admission.close()
+    await health.enter_graceful_shutdown()
+    if not await admission.drained(config.drain_timeout_s):
+        log.warning("drain timeout: aborting %d streams", admission.in_flight)
+        engine.abort_all()
+        await admission.drained(5.0)
+    await server.stop(1.0)
+    await asyncio.to_thread(engine.stop)
+
+
+async def _until_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

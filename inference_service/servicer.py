@@ -1,0 +1,45 @@
+"""The InferenceService gRPC servicer: each method decodes, calls the engine, encodes."""
+
+import time
+
+from inference_service import convert
+from inference_service.admission import Admission
+from inference_service.engine import Engine
+from shared.errors import Unavailable
+from shared.pb.loramux.inference.v1 import inference_pb2 as pb
+from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    def __init__(self, admission: Admission):
+        self.admission = admission
+        self.engine: Engine | None = None  # set once the model is loaded: readiness
+
+    def _ready_engine(self) -> Engine:
+        if self.engine is None:
+            raise Unavailable("the worker is still loading its model; retry shortly")
+        return self.engine
+
+    async def Generate(self, request, context):
+        with self.admission.enter():  # before tokenizing: an overloaded worker refuses at once
+            engine = self._ready_engine()
+            start = time.perf_counter()
+            first_token_s = None
+            async for delta in engine.stream(convert.request(request, engine.tokenizer)):
+                if delta.error is not None:
+                    raise delta.error
+                if delta.token_ids and first_token_s is None:
+                    first_token_s = time.perf_counter() - start
+                if delta.token_ids or delta.text:
+                    yield convert.delta(delta)
+                if delta.finish_reason is not None:
+                    total_s = time.perf_counter() - start
+                    yield convert.final(delta, first_token_s or total_s, total_s)
+
+    async def ListAdapters(self, request, context):
+        return convert.adapters(self._ready_engine().adapter_states())
+
+    async def GetModelInfo(self, request, context):
+        return convert.model_info(self._ready_engine())
