@@ -102,3 +102,31 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         eos_token_ids=tokenizer.eos_token_ids if tokenizer else model.eos_token_ids,
         has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
     )
+
+
+def stats(snapshot: dict, in_flight: int) -> pb.Stats:
+    load = snapshot["adapter_load_seconds"]
+    host, slots = snapshot["host_tier"], snapshot["slots"]
+    return pb.Stats(
+        requests=[
+            pb.RequestCount(adapter_id=adapter, outcome=outcome, count=count)
+            for (adapter, outcome), count in sorted(snapshot["requests"].items())
+        ],
+        prompt_tokens=snapshot["prompt_tokens"],
+        generation_tokens=snapshot["generation_tokens"],
+        waiting=snapshot["queue_depth"],
+        running=snapshot["running"],
+        in_flight=in_flight,
+        kv_blocks_used=snapshot["kv_blocks"]["used"],
+        kv_blocks_total=snapshot["kv_blocks"]["total"],
+        active_slots=slots["active"],
+        slot_activations=slots["activations"],
+        slot_evictions=slots["evictions"],
+        host_hits=host["hits"],
+        host_misses=host["misses"],
+        host_evictions=host["evictions"],
+        host_adapters=host["size"],
+        adapter_load_seconds=pb.Histogram(
+            bounds=load.buckets, counts=load.counts, sum=load.total, count=load.count
+        ),
+    )

@@ -290,6 +290,10 @@ class Engine:
                 },
                 "queue_depth": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running),
+                "kv_blocks": {
+                    "used": self.scheduler.allocator.num_blocks - self.scheduler.allocator.num_free,
+                    "total": self.scheduler.allocator.num_blocks,
+                },
             }
 
     @property

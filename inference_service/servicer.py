@@ -43,3 +43,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def GetModelInfo(self, request, context):
         return convert.model_info(self._ready_engine())
+
+    async def GetStats(self, request, context):
+        return convert.stats(self._ready_engine().stats(), self.admission.in_flight)

@@ -24,13 +24,13 @@ AWS_ENV = {
 class StoreProcess:
     """`python -m adapter_store` on a free loopback port."""
 
-    def __init__(self, data_dir: Path, flags: list[str]):
-        self.data_dir, self.flags = data_dir, flags
+    def __init__(self, data_dir: Path, flags: list[str], listen: str = "127.0.0.1:0"):
+        self.data_dir, self.flags, self.listen = data_dir, flags, listen
         self.process: subprocess.Popen | None = None
         self.address = ""
 
     def start(self) -> "StoreProcess":
-        listen = ["--listen", "127.0.0.1:0", "--data-dir", str(self.data_dir)]
+        listen = ["--listen", self.listen, "--data-dir", str(self.data_dir)]
         self.log = self.data_dir.with_name(self.data_dir.name + ".log")
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(

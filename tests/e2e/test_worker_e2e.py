@@ -1,0 +1,198 @@
+"""The store and workers as real processes, driven through gRPC: mixed adapters, S3 adapters,
+deletes, a store outage, a full queue, a cancel storm and a SIGTERM drain."""
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from inference_service.engine import Engine, EngineConfig, Request
+from inference_service.sampling import SamplingParams
+from shared.pb.loramux.inference.v1 import inference_pb2 as pb
+from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
+from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
+from tests.adapter_store.conftest import AUTH, StoreProcess, upload_folder
+from tests.e2e.conftest import WorkerProcess, register
+
+ADAPTERS = ("all8", "qv4", "mlp16rs", "re2")
+# (adapter or None, prompt token ids, max_tokens)
+WORKLOAD = [
+    (None, [5, 6, 7, 8], 12),
+    ("all8", [9, 10, 11], 10),
+    ("qv4", [12, 13, 14, 15, 16], 14),
+    ("mlp16rs", [17, 18], 9),
+    ("re2", [19, 20, 21, 22], 11),
+    ("all8", [23, 24, 25, 26, 27, 28], 8),
+    ("qv4", [29], 13),
+    (None, [30, 31, 32], 7),
+]
+
+
+def _request(adapter, ids, max_tokens, **sampling) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0, **sampling)
+    return pb.GenerateRequest(adapter=adapter or "", token_ids=pb.TokenIds(ids=ids), sampling=params)
+
+
+def _tokens(stub, request) -> tuple[list[int], pb.Final]:
+    tokens, final = [], None
+    for response in stub.Generate(request, timeout=60):
+        if response.HasField("delta"):
+            tokens += response.delta.token_ids
+        else:
+            final = response.final
+    return tokens, final
+
+
+@pytest.fixture(scope="module")
+def registered(admin, sources_root):
+    for name in ADAPTERS:
+        register(admin, name, f"file://{sources_root / name}")
+    return ADAPTERS
+
+
+@pytest.fixture(scope="module")
+def in_process(long_model, tiny_adapters) -> dict[int, list[int]]:
+    """Every WORKLOAD request's greedy tokens from the in-process engine."""
+    engine = Engine(EngineConfig(model=str(long_model), max_loras=4, kv_cache_tokens=2048))
+    for name in ADAPTERS:
+        engine.add_adapter(name, tiny_adapters["llama"][name])
+    requests = [
+        Request(ids, adapter, SamplingParams(max_tokens=n, temperature=0)) for adapter, ids, n in WORKLOAD
+    ]
+    return {i: out.token_ids for i, out in enumerate(engine.generate(requests))}
+
+
+def test_mixed_adapters_concurrently_equal_the_in_process_engine(generate, registered, in_process):
+    with ThreadPoolExecutor(len(WORKLOAD)) as pool:
+        results = list(pool.map(lambda w: _tokens(generate, _request(*w)), WORKLOAD))
+    for i, (tokens, final) in enumerate(results):
+        assert tokens == in_process[i], f"request {i} ({WORKLOAD[i][0]})"
+        assert final.usage.completion_tokens == len(tokens)
+        assert final.usage.prompt_tokens == len(WORKLOAD[i][1])
+    held = {a.adapter_id for a in generate.ListAdapters(pb.ListAdaptersRequest()).adapters}
+    assert held <= set(ADAPTERS) and held
+
+
+def test_an_adapter_registered_from_s3_is_served(generate, admin, sources_root, s3_endpoint, in_process):
+    register(admin, "qv4-from-s3", upload_folder(s3_endpoint, sources_root / "qv4", "e2e/qv4"))
+    _, ids, max_tokens = WORKLOAD[2]
+    tokens, _ = _tokens(generate, _request("qv4-from-s3", ids, max_tokens))
+    assert tokens == in_process[2]
+
+
+def test_unknown_adapter_and_bad_input_get_precise_statuses(generate, registered):
+    cases = [
+        (_request("no-such-adapter", [5], 4), grpc.StatusCode.NOT_FOUND, "no-such-adapter"),
+        (_request("../etc/passwd", [5], 4), grpc.StatusCode.INVALID_ARGUMENT, "adapter id"),
+        (_request(None, [5], 4, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (_request(None, [999_999], 4), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "no input"),
+        (pb.GenerateRequest(text="hello"), grpc.StatusCode.INVALID_ARGUMENT, "tokenizer"),
+    ]
+    for request, code, named in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            _tokens(generate, request)
+        assert e.value.code() == code and named in e.value.details()
+
+
+def test_delete_refuses_new_requests_while_running_ones_finish(generate, admin, sources_root):
+    register(admin, "doomed", f"file://{sources_root / 're2'}")
+    stream = generate.Generate(_request("doomed", [5, 6], 1500, ignore_eos=True), timeout=60)
+    first = next(stream)
+    admin.DeleteAdapter(store_pb.DeleteAdapterRequest(adapter_id="doomed"), metadata=AUTH)
+    _until(lambda: _status(generate, _request("doomed", [5], 2)) == grpc.StatusCode.NOT_FOUND)
+    tokens = list(first.delta.token_ids)
+    final = None
+    for response in stream:
+        tokens += response.delta.token_ids
+        final = response.final if response.HasField("final") else final
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 1500
+
+
+def test_worker_keeps_serving_through_a_store_outage(generate, admin, store, sources_root, in_process):
+    register(admin, "late", f"file://{sources_root / 'pattern'}")
+    held_adapter, ids, max_tokens = WORKLOAD[1]
+    assert _tokens(generate, _request(held_adapter, ids, max_tokens))[0] == in_process[1]
+    store.kill()
+
+    assert _tokens(generate, _request(held_adapter, ids, max_tokens))[0] == in_process[1]
+    with pytest.raises(grpc.RpcError) as e:
+        _tokens(generate, _request("late", [5], 3))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "late" in e.value.details()
+
+    StoreProcess(store.data_dir, store.flags, store.listen).start()
+    _until(lambda: _status(generate, _request("late", [5], 3)) == grpc.StatusCode.OK, timeout_s=30)
+
+
+def test_cancel_storm_frees_every_request_block_and_slot(generate, registered):
+    rng = random.Random(0)
+
+    def cancel_after(i: int) -> None:
+        adapter = [None, *ADAPTERS][i % 5]
+        stream = generate.Generate(_request(adapter, [5 + i % 50, 6], 400, ignore_eos=True), timeout=60)
+        for _ in zip(range(rng.randrange(0, 20)), stream, strict=False):
+            pass
+        stream.cancel()
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(cancel_after, range(100)))
+
+    def idle():
+        s = generate.GetStats(pb.GetStatsRequest())
+        return (s.running, s.waiting, s.in_flight, s.kv_blocks_used, s.active_slots) == (0, 0, 0, 0, 0)
+
+    _until(idle)
+    stats = generate.GetStats(pb.GetStatsRequest())
+    aborted = sum(r.count for r in stats.requests if r.outcome == "abort")
+    assert aborted >= 90  # a few may finish their 400 tokens first
+    assert stats.kv_blocks_total > 0
+
+
+def test_a_full_worker_refuses_at_once_with_resource_exhausted(tmp_path, long_model, store, registered):
+    worker = WorkerProcess(long_model, store.address, tmp_path / "cache", "--max-pending", "2").start()
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = inference_grpc.InferenceServiceStub(channel)
+        long = [stub.Generate(_request(None, [5, 6], 2000, ignore_eos=True), timeout=60) for _ in range(2)]
+        for stream in long:
+            next(stream)
+        start = time.monotonic()
+        assert _status(stub, _request(None, [5], 2)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - start < 1.0
+        for stream in long:
+            stream.cancel()
+        _until(lambda: _status(stub, _request(None, [5], 2)) == grpc.StatusCode.OK)
+    worker.terminate()
+    assert worker.wait() == 0
+
+
+def test_sigterm_drains_streams_in_flight_and_refuses_new_ones(tmp_path, long_model, store):
+    worker = WorkerProcess(long_model, store.address, tmp_path / "cache", "--drain-timeout", "30").start()
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = inference_grpc.InferenceServiceStub(channel)
+        stream = stub.Generate(_request(None, [5, 6], 800, ignore_eos=True), timeout=60)
+        tokens = list(next(stream).delta.token_ids)
+        worker.terminate()
+        _until(lambda: _status(stub, _request(None, [5], 2)) == grpc.StatusCode.UNAVAILABLE)
+        final = None
+        for response in stream:
+            tokens += response.delta.token_ids
+            final = response.final if response.HasField("final") else final
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 800
+    assert worker.wait() == 0
+
+
+def _status(stub, request) -> grpc.StatusCode:
+    try:
+        _tokens(stub, request)
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def _until(condition, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
