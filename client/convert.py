@@ -1,0 +1,201 @@
+"""Requests built from Python arguments and responses turned into SDK dataclasses: the one place
+both clients share, so the sync and async clients differ only in how they wait."""
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC
+from typing import Any
+
+from google.protobuf.message import Message as Proto
+
+from shared.pb.loramux.inference.v1 import inference_pb2 as inference_pb
+from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
+
+from .types import Adapter, Completion, Delta, ModelInfo, TokenLogprob, WorkerAdapter
+
+SAMPLING_FIELDS = tuple(inference_pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+Message = Mapping[str, str] | tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """One unary call: which service and method, its request, and how to read its reply."""
+
+    service: str  # "worker" or "store"
+    method: str
+    request: Proto
+    decode: Callable[[Any], Any]
+
+
+def register_adapter_rpc(adapter_id: str, source_uri: str, request_id: str | None) -> Rpc:
+    request = store_pb.RegisterAdapterRequest(
+        adapter_id=adapter_id, source_uri=source_uri, request_id=request_id or ""
+    )
+    return Rpc("store", "RegisterAdapter", request, adapter)
+
+
+def get_adapter_rpc(adapter_id: str) -> Rpc:
+    return Rpc("store", "GetAdapter", store_pb.GetAdapterRequest(adapter_id=adapter_id), adapter)
+
+
+def list_adapters_rpc(page_size: int, page_token: str) -> Rpc:
+    """Decodes to (this page's adapters, the next page's token or "")."""
+    request = store_pb.ListAdaptersRequest(page_size=page_size, page_token=page_token)
+    return Rpc("store", "ListAdapters", request, adapter_page)
+
+
+def delete_adapter_rpc(adapter_id: str, force: bool) -> Rpc:
+    request = store_pb.DeleteAdapterRequest(adapter_id=adapter_id, force=force)
+    return Rpc("store", "DeleteAdapter", request, lambda response: adapter(response.adapter))
+
+
+def pin_adapter_rpc(adapter_id: str) -> Rpc:
+    return Rpc("store", "PinAdapter", store_pb.PinAdapterRequest(adapter_id=adapter_id), adapter)
+
+
+def unpin_adapter_rpc(adapter_id: str) -> Rpc:
+    return Rpc("store", "UnpinAdapter", store_pb.UnpinAdapterRequest(adapter_id=adapter_id), adapter)
+
+
+def worker_adapters_rpc() -> Rpc:
+    return Rpc("worker", "ListAdapters", inference_pb.ListAdaptersRequest(), worker_adapters)
+
+
+def model_info_rpc() -> Rpc:
+    return Rpc("worker", "GetModelInfo", inference_pb.GetModelInfoRequest(), model_info)
+
+
+def generate_request(
+    prompt: str | None,
+    token_ids: Iterable[int] | None,
+    messages: Sequence[Message] | None,
+    adapter: str | None,
+    request_id: str | None,
+    sampling: dict,
+) -> inference_pb.GenerateRequest:
+    """A GenerateRequest; ValueError unless exactly one input is given, TypeError for an unknown
+    sampling argument."""
+    given = [name for name, value in _inputs(prompt, token_ids, messages) if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of prompt, token_ids or messages (got {given or 'none'})")
+    request = inference_pb.GenerateRequest(
+        adapter=adapter or "", request_id=request_id or "", sampling=sampling_params(sampling)
+    )
+    if prompt is not None:
+        request.text = prompt
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    else:
+        request.chat.messages.extend(chat_message(m) for m in messages)
+    return request
+
+
+def _inputs(prompt, token_ids, messages) -> list[tuple[str, object]]:
+    return [("prompt", prompt), ("token_ids", token_ids), ("messages", messages)]
+
+
+def sampling_params(sampling: dict) -> inference_pb.SamplingParams:
+    unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown sampling arguments {unknown}; known: {', '.join(SAMPLING_FIELDS)}")
+    values = {name: value for name, value in sampling.items() if value is not None}
+    if isinstance(values.get("stop"), str):  # a lone string, not its characters
+        values["stop"] = [values["stop"]]
+    return inference_pb.SamplingParams(**values)
+
+
+def chat_message(message: Message) -> inference_pb.ChatMessage:
+    """{"role": ..., "content": ...} or (role, content) -> ChatMessage."""
+    if isinstance(message, Mapping):
+        if not {"role", "content"} <= message.keys():
+            raise ValueError(f"a chat message needs 'role' and 'content', got keys {sorted(message)}")
+        return inference_pb.ChatMessage(role=message["role"], content=message["content"])
+    if isinstance(message, tuple) and len(message) == 2:
+        return inference_pb.ChatMessage(role=message[0], content=message[1])
+    raise ValueError(
+        f"a chat message is a {{'role', 'content'}} dict or a (role, content) tuple, got {message!r}"
+    )
+
+
+def delta(message: inference_pb.Delta) -> Delta:
+    return Delta(
+        token_ids=list(message.token_ids),
+        text=message.text,
+        logprobs=[token_logprob(entry) for entry in message.logprobs],
+    )
+
+
+def token_logprob(message: inference_pb.TokenLogprob) -> TokenLogprob:
+    top = [(alt.token_id, alt.logprob) for alt in message.top]
+    return TokenLogprob(token_id=message.token_id, logprob=message.logprob, top=top)
+
+
+def completion(deltas: list[Delta], final: inference_pb.Final) -> Completion:
+    """The whole generation: every delta joined, with the Final message's reason, usage, timings."""
+    return Completion(
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        finish_reason=_enum_word(inference_pb.FinishReason, final.finish_reason, "FINISH_REASON_"),
+        prompt_tokens=final.usage.prompt_tokens,
+        completion_tokens=final.usage.completion_tokens,
+        time_to_first_token_s=final.timings.time_to_first_token_s,
+        total_s=final.timings.total_s,
+        logprobs=[lp for d in deltas for lp in d.logprobs],
+    )
+
+
+def adapter(message: store_pb.Adapter) -> Adapter:
+    created = message.create_time.ToDatetime(tzinfo=UTC) if message.HasField("create_time") else None
+    return Adapter(
+        adapter_id=message.adapter_id,
+        digest=message.digest,
+        rank=message.rank,
+        alpha=message.alpha,
+        target_modules=list(message.target_modules),
+        size_bytes=message.size_bytes,
+        dtype=message.dtype,
+        source_uri=message.source_uri,
+        pinned=message.pinned,
+        created=created,
+    )
+
+
+def adapter_page(message: store_pb.ListAdaptersResponse) -> tuple[list[Adapter], str]:
+    return [adapter(a) for a in message.adapters], message.next_page_token
+
+
+def worker_adapters(message: inference_pb.ListAdaptersResponse) -> list[WorkerAdapter]:
+    return [
+        WorkerAdapter(
+            adapter_id=a.adapter_id,
+            digest=a.digest,
+            location=_enum_word(inference_pb.AdapterLocation, a.location, "ADAPTER_LOCATION_"),
+            pinned=a.pinned,
+        )
+        for a in message.adapters
+    ]
+
+
+def model_info(message: inference_pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model_name=message.model_name,
+        model_type=message.model_type,
+        vocab_size=message.vocab_size,
+        max_model_len=message.max_model_len,
+        dtype=message.dtype,
+        device=message.device,
+        max_loras=message.max_loras,
+        max_lora_rank=message.max_lora_rank,
+        max_cpu_loras=message.max_cpu_loras,
+        eos_token_ids=list(message.eos_token_ids),
+        has_chat_template=message.has_chat_template,
+    )
+
+
+def _enum_word(enum, value: int, prefix: str) -> str:
+    """FINISH_REASON_STOP -> "stop"; a value this SDK does not know yet -> its number."""
+    try:
+        return enum.Name(value).removeprefix(prefix).lower()
+    except ValueError:
+        return str(value)

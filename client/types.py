@@ -1,0 +1,79 @@
+"""What the SDK returns: plain dataclasses, free of protobuf types."""
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one engine step added: new token ids and the text they complete."""
+
+    token_ids: list[int]
+    text: str  # never splits a UTF-8 character, never contains a stop string
+    logprobs: list[TokenLogprob]  # one per token when logprobs were asked for, else empty
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length", "stop" or "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_s: float
+    total_s: float
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter registered in the store."""
+
+    adapter_id: str
+    digest: str  # "sha256:<hex>" of the optimized blob: its content identity
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+    dtype: str
+    source_uri: str
+    pinned: bool
+    created: datetime | None  # UTC
+
+
+@dataclass(frozen=True)
+class WorkerAdapter:
+    """An adapter a worker holds right now."""
+
+    adapter_id: str
+    digest: str  # empty while loading
+    location: str  # "device", "host" or "loading"
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model a worker serves and its limits."""
+
+    model_name: str
+    model_type: str
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    eos_token_ids: list[int]
+    has_chat_template: bool
