@@ -40,6 +40,8 @@ def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None) -> list
     if kind == "text":
         return tokenizer.encode(message.text)
     messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+    if not messages:
+        raise InvalidArgument("chat input has no messages")
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(rendered, add_special_tokens=False)
 

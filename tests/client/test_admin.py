@@ -4,9 +4,9 @@ import asyncio
 from datetime import UTC
 
 import grpc
-import loramux
 import pytest
 
+import loramux
 from tests.adapter_store.conftest import ADMIN_TOKEN
 
 

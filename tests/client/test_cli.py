@@ -1,14 +1,16 @@
-"""The `loramux` command against the real store and the fake worker: what it prints, how it exits."""
+"""The `loramux` command against the real store and the real default-model worker: what it prints,
+how it exits."""
 
 import os
 import subprocess
 import sys
 
 import pytest
-from loramux import cli
 
+import loramux
+from loramux import cli
 from tests.adapter_store.conftest import ADMIN_TOKEN, REPO
-from tests.client.fake_worker import API_TOKEN
+from tests.client.conftest import API_TOKEN, DEFAULT_ADAPTER
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -36,14 +38,17 @@ def test_register_list_and_get_through_the_environment(store, sources_root):
     assert missing.stderr.startswith("loramux: NOT_FOUND: ") and "no-such-adapter" in missing.stderr
 
 
-def test_generate_streams_text_then_a_summary_on_stderr(worker):
-    address, _ = worker
+def test_generate_with_an_adapter_streams_its_text_to_stdout(default_worker):
+    address, prompt = default_worker.address, "The capital of France is"
     result = run_cli(
-        "--worker", address, "--api-token", API_TOKEN, "generate", "--max-tokens", "3", "hi there"
+        *("--worker", address, "--api-token", API_TOKEN, "generate", "--adapter", DEFAULT_ADAPTER),
+        *("--max-tokens", "8", "--temperature", "0", prompt),
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "hi there hi \n"
-    assert "finish: length" in result.stderr and "3 generated" in result.stderr
+    with loramux.Client(worker=address, api_token=API_TOKEN, timeout=60) as client:
+        expected = client.complete(prompt, adapter=DEFAULT_ADAPTER, max_tokens=8, temperature=0)
+    assert result.stdout == expected.text + "\n" and "Paris" in result.stdout
+    assert "finish: length" in result.stderr and "8 generated" in result.stderr
 
 
 def test_pin_unpin_delete_and_errors(store, sources_root, capsys):
@@ -63,20 +68,21 @@ def test_pin_unpin_delete_and_errors(store, sources_root, capsys):
     assert usage.value.code == 2
 
 
-def test_chat_generate_model_info_and_worker_adapters(worker, capsys):
-    address, fake = worker
-    flags = ["--worker", address, "--api-token", API_TOKEN]
-    assert cli.run([*flags, "generate", "--chat", "--max-tokens", "1", "--seed", "3", "hello"], {}) == 0
-    assert capsys.readouterr().out == "user:hello \n"
-    assert fake.requests[-1].chat.messages[0].content == "hello" and fake.requests[-1].sampling.seed == 3
+def test_chat_generate_model_info_and_worker_adapters(default_worker, capsys):
+    flags = ["--worker", default_worker.address, "--api-token", API_TOKEN]
+    question = "What is the capital of France?"
+    generate = ["generate", "--chat", "--adapter", DEFAULT_ADAPTER, "--max-tokens", "24"]
+    assert cli.run([*flags, *generate, "--temperature", "0", question], {}) == 0
+    assert "Paris" in capsys.readouterr().out
 
     assert cli.run([*flags, "model-info"], {}) == 0
-    assert "model_name: tiny" in capsys.readouterr().out.splitlines()
+    fields = capsys.readouterr().out.splitlines()
+    assert "model_name: SmolLM2-135M-Instruct" in fields and "has_chat_template: True" in fields
     assert cli.run([*flags, "worker-adapters"], {}) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["ID", "LOCATION", "PINNED", "DIGEST"] and lines[1].split() == [
-        "a1",
-        "device",
-        "no",
-        "ab",
-    ]
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split() == ["ID", "LOCATION", "PINNED", "DIGEST"]
+    assert [row.split()[:3] for row in rows] == [[DEFAULT_ADAPTER, "device", "no"]]
+    assert len(rows[0].split()[3]) == 12
+
+    assert cli.run(["--worker", default_worker.address, "generate", "hi"], {}) == 1
+    assert "loramux: UNAUTHENTICATED: " in capsys.readouterr().err

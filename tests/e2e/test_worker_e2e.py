@@ -13,7 +13,7 @@ from inference_service.sampling import SamplingParams
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
-from tests.adapter_store.conftest import AUTH, StoreProcess, upload_folder
+from tests.adapter_store.conftest import AUTH, upload_folder
 from tests.e2e.conftest import WorkerProcess, register
 
 ADAPTERS = ("all8", "qv4", "mlp16rs", "re2")
@@ -122,7 +122,7 @@ def test_worker_keeps_serving_through_a_store_outage(generate, admin, store, sou
         _tokens(generate, _request("late", [5], 3))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "late" in e.value.details()
 
-    StoreProcess(store.data_dir, store.flags, store.listen).start()
+    store.start()  # same port and data dir; the module fixture stops it at the end
     _until(lambda: _status(generate, _request("late", [5], 3)) == grpc.StatusCode.OK, timeout_s=30)
 
 
