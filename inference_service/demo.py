@@ -1,34 +1,145 @@
-"""`make run` until the services exist: several requests in one continuous batch on the default
-model through the engine, streamed to the terminal as they decode."""
+"""`make run`: the local stack. Starts an adapter store (local disk) and an inference worker on
+loopback, registers the demo adapters, streams base and adapter answers to the same questions
+concurrently through the SDK, then keeps serving until Ctrl-C."""
 
+import argparse
+import asyncio
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from inference_service.default_model import prepare_default_model
-from inference_service.engine import Engine, EngineConfig, Request
-from inference_service.sampling import SamplingParams
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
-CHAT = [{"role": "user", "content": "What is 2+2?"}]
+import loramux
+from inference_service.default_model import prepare_default_model
+
+DEMO_ADAPTERS = Path(__file__).resolve().parent / "demo_adapters"
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?"]
+READY_TIMEOUT_S = 180
 
 
 def main() -> None:
-    cache = Path(os.environ.get("LORAMUX_CACHE", ".cache"))
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--store-port", type=int, default=50061)
+    parser.add_argument("--worker-port", type=int, default=50051)
+    args = parser.parse_args()
+    cache = Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve()
     print(f"preparing the default model (SmolLM2-135M-Instruct) under {cache} ...", flush=True)
-    engine = Engine(EngineConfig(model=str(prepare_default_model(cache)), kv_cache_tokens=2048))
-    tokenizer = engine.tokenizer
-    texts = [*PROMPTS, tokenizer.apply_chat_template(CHAT)]
-    params = SamplingParams(max_tokens=24, temperature=0)
-    requests = [Request(tokenizer.encode(t), params=params, request_id=f"r{i}") for i, t in enumerate(texts)]
-    start = time.perf_counter()
-    outputs = engine.generate(requests)
-    elapsed = time.perf_counter() - start
-    for text, out in zip(texts, outputs, strict=True):
-        print(f"\n>>> {text!r}\n{out.text}   [{out.finish_reason}]")
-    total = sum(o.completion_tokens for o in outputs)
-    rate = total / elapsed
-    print(f"\n{len(texts)} requests in one batch: {total} tokens in {elapsed:.2f} s ({rate:.1f} tok/s)")
+    model = prepare_default_model(cache)
+    store_address, worker_address = f"127.0.0.1:{args.store_port}", f"127.0.0.1:{args.worker_port}"
+    processes = [
+        _spawn(
+            "adapter_store",
+            "--listen",
+            store_address,
+            "--data-dir",
+            str(cache / "run" / "store"),
+            "--allowed-root",
+            str(DEMO_ADAPTERS),
+            "--base-model",
+            str(model),
+        ),
+        _spawn(
+            "inference_service",
+            "--listen",
+            worker_address,
+            "--store",
+            store_address,
+            "--model",
+            str(model),
+            "--max-loras",
+            "4",
+        ),
+    ]
+    try:
+        _wait_ready(store_address, "")
+        _wait_ready(worker_address, "readiness")
+        asyncio.run(_demo(store_address, worker_address))
+        _print_usage(store_address, worker_address)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        _stop(processes)
+
+
+def _spawn(module: str, *args: str) -> subprocess.Popen:
+    # The services log to stderr; their stdout (one "listening on" line) is not needed here.
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL)
+
+
+def _wait_ready(address: str, service: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            time.sleep(0.2)
+    sys.exit(f"{address} did not become ready in {READY_TIMEOUT_S} s; see the log above")
+
+
+async def _demo(store: str, worker: str) -> None:
+    async with loramux.AsyncClient(worker=worker, store=store) as client:
+        adapters = sorted(p.name for p in DEMO_ADAPTERS.iterdir() if (p / "adapter_config.json").is_file())
+        for name in adapters:
+            await _register(client, name)
+        print(f"\nregistered demo adapters: {', '.join(adapters)}")
+        jobs = [(q, a) for q in QUESTIONS for a in [None, *adapters]]
+        print(f"streaming {len(jobs)} answers at once (base model and every adapter) ...\n", flush=True)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_answer(client, q, a) for q, a in jobs))
+        for (question, adapter), (text, first) in zip(jobs, results, strict=True):
+            label = adapter or "base"
+            print(f"[{label:>8}] {question}\n           {text.strip()}   (first token {first:.2f} s)\n")
+        print(f"{len(jobs)} concurrent streams done in {time.perf_counter() - start:.1f} s")
+
+
+async def _register(client: loramux.AsyncClient, name: str) -> None:
+    uri = f"file://{DEMO_ADAPTERS / name}"
+    try:
+        await client.register_adapter(name, uri)
+    except loramux.AlreadyExists:  # retrained since the last run: serve the new weights
+        await client.delete_adapter(name, force=True)
+        await client.register_adapter(name, uri)
+
+
+async def _answer(client: loramux.AsyncClient, question: str, adapter: str | None) -> tuple[str, float]:
+    start, first = time.perf_counter(), None
+    stream = client.generate(messages=[("user", question)], adapter=adapter, max_tokens=40, temperature=0)
+    async for _ in stream:
+        first = first or time.perf_counter() - start
+    return stream.result.text, first or 0.0
+
+
+def _print_usage(store: str, worker: str) -> None:
+    print(
+        f"""
+serving: worker {worker}, adapter store {store}. Try, in another terminal:
+  .venv/bin/loramux --worker {worker} generate --chat --adapter shouty "Name three fruits."
+  .venv/bin/loramux --store {store} adapters list
+  .venv/bin/python -c "import loramux; c = loramux.Client(worker='{worker}'); print(c.complete('Hi').text)"
+Ctrl-C stops both services.""",
+        flush=True,
+    )
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 if __name__ == "__main__":
