@@ -3,13 +3,15 @@
 Each step runs one flattened batch (decode tokens of running sequences plus prefill chunks of
 new ones), then samples, detokenizes and emits one Delta per request that made progress.
 `generate` drives steps in the caller's thread; `start` runs them in a background thread for
-`stream`, the asyncio API. Public methods are thread-safe; a step holds the lock, so an abort
-or adapter change takes effect within one step.
+`stream`, the asyncio API. Public methods are thread-safe. `submit` and `abort` never wait for a
+step (an event loop calls them): they post to an inbox the stepping thread applies at the start
+of the next step. Adapter changes and snapshots take the step lock.
 """
 
 import asyncio
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +111,9 @@ class Engine:
         self.loader = loader or LocalAdapterLoader(
             self.runner.model_config, config.max_lora_rank, config.torch_dtype
         )
-        self.host = HostTier(config.max_cpu_loras, self.loader, self.runner.device.type == "cuda")
+        self._wakeup = threading.Event()  # set when a step has something new: a submit, a load
+        pinned = self.runner.device.type == "cuda"
+        self.host = HostTier(config.max_cpu_loras, self.loader, pinned, self._wakeup.set)
         self.slots = SlotPool(config.max_loras)
         self.scheduler = Scheduler(
             config.max_num_seqs,
@@ -120,8 +124,10 @@ class Engine:
             self.host,
         )
         self._tracked: dict[str, _Tracked] = {}
-        self._lock = threading.RLock()
-        self._work = threading.Condition(self._lock)
+        self._lock = threading.RLock()  # held by a step, and by adapter changes and snapshots
+        self._inbox: deque[Callable[[], None]] = deque()  # submits and aborts, for the next step
+        self._in_flight: set[str] = set()  # request ids submitted and not finished
+        self._ids_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.metrics = EngineMetrics()
@@ -198,26 +204,33 @@ class Engine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, request.params.stop
             )
-        with self._lock:
-            if request.request_id in self._tracked:
+        if request.adapter is not None:
+            self._require_adapter(request.adapter)
+        with self._ids_lock:
+            if request.request_id in self._in_flight:
                 raise InvalidArgument(f"request id {request.request_id!r} is already in flight")
-            if request.adapter is not None:
-                self._require_adapter(request.adapter)
-            self._tracked[request.request_id] = _Tracked(seq, detokenizer, sink)
-            self.scheduler.add(seq)
-            self._work.notify()
-
-    def abort_all(self) -> None:
-        with self._lock:
-            for tracked in list(self._tracked.values()):
-                self._finish(tracked, "abort")
+            self._in_flight.add(request.request_id)
+        self._post(lambda: self._admit(_Tracked(seq, detokenizer, sink)))
 
     def abort(self, request_id: str) -> None:
-        """Finish the request now: its KV blocks and slot reference are freed at once."""
-        with self._lock:
-            tracked = self._tracked.get(request_id)
-            if tracked is not None:
-                self._finish(tracked, "abort")
+        """Finish the request at the next step: its KV blocks and slot reference are freed then."""
+        self._post(lambda: self._abort_now(request_id))
+
+    def abort_all(self) -> None:
+        self._post(lambda: [self._finish(t, "abort") for t in list(self._tracked.values())])
+
+    def _post(self, action: Callable[[], None]) -> None:
+        self._inbox.append(action)
+        self._wakeup.set()
+
+    def _admit(self, tracked: _Tracked) -> None:
+        self._tracked[tracked.seq.request_id] = tracked
+        self.scheduler.add(tracked.seq)
+
+    def _abort_now(self, request_id: str) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            self._finish(tracked, "abort")
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run the requests to completion in this thread; outputs in request order."""
@@ -234,7 +247,14 @@ class Engine:
         """Deltas of one request as they are produced; closing the iterator aborts it."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.submit(request, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+
+        def deliver(delta: Delta) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, delta)
+            except RuntimeError:  # the consumer's loop has closed: nobody is listening
+                pass
+
+        self.submit(request, deliver)
         finished = False
         try:
             while not finished:
@@ -252,22 +272,20 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._work.notify()
+        self._stopping = True
+        self._wakeup.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self.host.close()
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self.has_work:
-                    self._work.wait()
-                if self._stopping:
-                    return
-            self.step()
+        while not self._stopping:
+            if self.has_work:
+                self.step()
+            else:
+                self._wakeup.wait()
+                self._wakeup.clear()  # has_work is checked again before sleeping
 
     def stats(self) -> dict:
         """A snapshot of every counter and gauge, for export."""
@@ -299,25 +317,33 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """Requests to run, or loads to install (a preloaded adapter lands without a request)."""
-        return bool(self.scheduler.waiting or self.scheduler.running or self.host.loading)
+        return bool(self._inbox or self.scheduler.waiting or self.scheduler.running or self.host.loading)
 
     # --- one step -------------------------------------------------------------------------
 
     def step(self) -> None:
         with self._lock:
-            self._collect_loads()
-            schedule = self.scheduler.schedule()
-            if not schedule.chunks:
-                if self.host.loading:
-                    self._work.wait(0.005)  # only loads are pending: wait for them, not spin
-                return
-            for slot, ready in schedule.activations:
-                self.runner.load_slot(slot, ready.weights)
-            chunks = sorted(schedule.chunks, key=lambda c: c.seq.slot)  # grouped by slot for LoRA
-            logits = self.runner.forward([_input(c) for c in chunks])  # [chunks, vocab]
-            for c in chunks:
-                c.seq.num_computed += c.num_tokens
-            self._sample_and_emit(chunks, logits)
+            ran = self._step_locked()
+        if not ran and self.host.loading:
+            self._wakeup.wait(0.005)  # only loads are pending: wait for one, or for a submit
+            self._wakeup.clear()
+
+    def _step_locked(self) -> bool:
+        """One step; False when nothing could be scheduled."""
+        while self._inbox:
+            self._inbox.popleft()()
+        self._collect_loads()
+        schedule = self.scheduler.schedule()
+        if not schedule.chunks:
+            return False
+        for slot, ready in schedule.activations:
+            self.runner.load_slot(slot, ready.weights)
+        chunks = sorted(schedule.chunks, key=lambda c: c.seq.slot)  # grouped by slot for LoRA
+        logits = self.runner.forward([_input(c) for c in chunks])  # [chunks, vocab]
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+        self._sample_and_emit(chunks, logits)
+        return True
 
     def _sample_and_emit(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         rows = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
@@ -364,6 +390,8 @@ class Engine:
         seq = tracked.seq
         self.scheduler.finish(seq, reason)
         del self._tracked[seq.request_id]
+        with self._ids_lock:
+            self._in_flight.discard(seq.request_id)
         self.metrics.requests[(seq.adapter or "", reason)] += 1
         self.metrics.prompt_tokens += len(seq.prompt_token_ids)
         self.metrics.generation_tokens += len(seq.output_token_ids)

@@ -2,6 +2,7 @@
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,10 +40,18 @@ class HostTier:
     """At most `capacity` unpinned adapters stay; pinned ones never leave. A load runs once per
     name however many requests wait for it; the engine collects finished loads each step."""
 
-    def __init__(self, capacity: int, loader: AdapterLoader, pin_memory: bool, threads: int = 2):
+    def __init__(
+        self,
+        capacity: int,
+        loader: AdapterLoader,
+        pin_memory: bool,
+        on_done: Callable[[], None] = lambda: None,
+        threads: int = 2,
+    ):
         self.capacity = capacity
         self._loader = loader
         self._pin_memory = pin_memory  # page-locked copies when the device is a GPU
+        self._on_done = on_done  # wakes the stepping thread to collect a finished load
         self._ready: OrderedDict[str, ReadyAdapter] = OrderedDict()
         self._pinned: set[str] = set()
         self._loading: dict[str, Future] = {}
@@ -58,7 +67,7 @@ class HostTier:
             return ready
         if name not in self._loading:
             self.misses += 1
-            self._loading[name] = self._pool.submit(self._load, name)
+            self._start_load(name)
         return None
 
     def put(self, ready: ReadyAdapter) -> None:
@@ -92,7 +101,7 @@ class HostTier:
         """Keep `name` for good; an adapter not held yet starts loading now (a preload)."""
         self._pinned.add(name)
         if name not in self._ready and name not in self._loading:
-            self._loading[name] = self._pool.submit(self._load, name)
+            self._start_load(name)
 
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
@@ -115,6 +124,10 @@ class HostTier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _start_load(self, name: str) -> None:
+        self._loading[name] = self._pool.submit(self._load, name)
+        self._loading[name].add_done_callback(lambda _: self._on_done())
 
     def _load(self, name: str) -> tuple[ReadyAdapter, float]:
         start = time.perf_counter()

@@ -1,5 +1,6 @@
 """The InferenceService gRPC servicer: each method decodes, calls the engine, encodes."""
 
+import asyncio
 import time
 
 from inference_service import convert
@@ -38,11 +39,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     total_s = time.perf_counter() - start
                     yield convert.final(delta, first_token_s or total_s, total_s)
 
+    # Snapshots take the engine's step lock: they wait in a thread, never on the event loop.
     async def ListAdapters(self, request, context):
-        return convert.adapters(self._ready_engine().adapter_states())
+        return convert.adapters(await asyncio.to_thread(self._ready_engine().adapter_states))
 
     async def GetModelInfo(self, request, context):
         return convert.model_info(self._ready_engine())
 
     async def GetStats(self, request, context):
-        return convert.stats(self._ready_engine().stats(), self.admission.in_flight)
+        snapshot = await asyncio.to_thread(self._ready_engine().stats)
+        return convert.stats(snapshot, self.admission.in_flight)

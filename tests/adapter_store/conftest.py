@@ -32,20 +32,7 @@ class StoreProcess:
     def start(self) -> "StoreProcess":
         listen = ["--listen", self.listen, "--data-dir", str(self.data_dir)]
         self.log = self.data_dir.with_name(self.data_dir.name + ".log")
-        with open(self.log, "a") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "adapter_store", *listen, *self.flags],
-                cwd=REPO,
-                env={**os.environ, **AWS_ENV},
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
-        line = self.process.stdout.readline()
-        if "listening on" not in line:
-            self.process.wait(timeout=15)
-            raise RuntimeError(f"store did not start:\n{self.log.read_text()[-3000:]}")
-        self.address = line.split()[-1]
+        self.process, self.address = spawn("adapter_store", [*listen, *self.flags], AWS_ENV, self.log)
         return self
 
     def stop(self) -> int:
@@ -55,6 +42,25 @@ class StoreProcess:
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(timeout=15)
+
+
+def spawn(module: str, args: list[str], env: dict, log: Path) -> tuple[subprocess.Popen, str]:
+    """`python -m module args`, stderr appended to `log`; returns it and the address it printed
+    ("... listening on HOST:PORT") once it listens."""
+    with open(log, "a") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    line = process.stdout.readline()
+    if "listening on" not in line:
+        process.wait(timeout=15)
+        raise RuntimeError(f"{module} did not start:\n{log.read_text()[-3000:]}")
+    return process, line.split()[-1]
 
 
 @pytest.fixture(scope="session")

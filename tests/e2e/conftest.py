@@ -1,11 +1,9 @@
 """Real processes on loopback: an adapter store (with moto's S3 server beside it) and inference
 workers fetching from it, driven through gRPC clients."""
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,10 +16,10 @@ from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as store_grpc
 from tests.adapter_store.conftest import (  # noqa: F401 - s3_endpoint, sources_root: fixtures
     AUTH,
-    REPO,
     StoreProcess,
     s3_endpoint,
     sources_root,
+    spawn,
     store_flags,
 )
 from tests.conftest import build_tiny_model
@@ -44,20 +42,8 @@ class WorkerProcess:
         self.address = ""
 
     def start(self) -> "WorkerProcess":
-        with open(self.log, "a") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "inference_service", *self.args],
-                cwd=REPO,
-                env={**os.environ, "LORAMUX_CACHE": str(self.cache)},
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
-        line = self.process.stdout.readline()
-        if "listening on" not in line:
-            self.process.wait(timeout=15)
-            raise RuntimeError(f"worker did not start:\n{self.log.read_text()[-3000:]}")
-        self.address = line.split()[-1]
+        env = {"LORAMUX_CACHE": str(self.cache)}
+        self.process, self.address = spawn("inference_service", self.args, env, self.log)
         self._wait_ready()
         return self
 

@@ -231,6 +231,7 @@ def test_abort_frees_kv_blocks_and_slots_within_one_step(tiny_models, tiny_adapt
     assert engine.slots.active == 3 and len(engine.scheduler.running) == 4
     for rid in deltas:
         engine.abort(rid)
+    engine.step()
     _assert_idle(engine)
     assert all(d[-1].finish_reason == "abort" for d in deltas.values())
 
