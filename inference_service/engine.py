@@ -9,6 +9,7 @@ of the next step. Adapter changes and snapshots take the step lock.
 """
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections import deque
@@ -249,10 +250,8 @@ class Engine:
         queue: asyncio.Queue[Delta] = asyncio.Queue()
 
         def deliver(delta: Delta) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the consumer's loop closed: nobody listens
                 loop.call_soon_threadsafe(queue.put_nowait, delta)
-            except RuntimeError:  # the consumer's loop has closed: nobody is listening
-                pass
 
         self.submit(request, deliver)
         finished = False
