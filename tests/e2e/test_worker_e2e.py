@@ -97,6 +97,20 @@ def test_unknown_adapter_and_bad_input_get_precise_statuses(generate, registered
         assert e.value.code() == code and named in e.value.details()
 
 
+def test_pinning_in_the_store_preloads_the_adapter_on_the_worker(generate, admin, sources_root):
+    register(admin, "preloaded", f"file://{sources_root / 'mlp16rs'}")
+    admin.PinAdapter(store_pb.PinAdapterRequest(adapter_id="preloaded"), metadata=AUTH)
+
+    def held():
+        adapters = generate.ListAdapters(pb.ListAdaptersRequest()).adapters
+        return {a.adapter_id: a for a in adapters}.get("preloaded")
+
+    _until(lambda: held() is not None and held().location == pb.ADAPTER_LOCATION_HOST)
+    assert held().pinned and held().digest.startswith("sha256:")
+    admin.UnpinAdapter(store_pb.UnpinAdapterRequest(adapter_id="preloaded"), metadata=AUTH)
+    _until(lambda: not held().pinned)
+
+
 def test_delete_refuses_new_requests_while_running_ones_finish(generate, admin, sources_root):
     register(admin, "doomed", f"file://{sources_root / 're2'}")
     stream = generate.Generate(_request("doomed", [5, 6], 1500, ignore_eos=True), timeout=60)
