@@ -36,7 +36,9 @@ class ForwardBatch:
         sliding_window: int | None,
         device: torch.device | str,
         all_logits: bool = False,
+        slot_ranks: list[int] | None = None,
     ) -> "ForwardBatch":
+        """slot_ranks[s]: the rank of the adapter in slot s, so kernels skip padded ranks."""
         chunks, token_ids, slots, start = [], [], [], 0
         for s in seqs:
             chunks.append(SequenceChunk(s.block_table, s.cached, len(s.token_ids), start))
@@ -49,7 +51,9 @@ class ForwardBatch:
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=attention.positions,
             attention=attention,
-            lora=LoraBatch.build(slots, device) if any(s >= 0 for s in slots) else None,
+            lora=LoraBatch.build(slots, device, slot_ranks=slot_ranks)
+            if any(s >= 0 for s in slots)
+            else None,
             logit_rows=torch.arange(start, device=device)
             if all_logits
             else torch.tensor(last_rows, dtype=torch.int64, device=device),

@@ -31,13 +31,19 @@ class ModelRunner:
             self.device,
         )
         self._linears = self.model.lora_linears()
+        self._slot_ranks = [0] * config.max_loras  # rank of the adapter in each slot
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceInput], all_logits: bool = False) -> torch.Tensor:
         """Logits [sequences, vocab] for each sequence's last new token ([tokens, vocab] with
         all_logits), in fp32."""
         batch = ForwardBatch.build(
-            seqs, self.config.block_size, self.model_config.sliding_window, self.device, all_logits
+            seqs,
+            self.config.block_size,
+            self.model_config.sliding_window,
+            self.device,
+            all_logits,
+            self._slot_ranks,
         )
         return self.model(batch, self.cache)
 
@@ -45,11 +51,13 @@ class ModelRunner:
     def load_slot(self, slot: int, adapter: AdapterWeights) -> None:
         """Copy an adapter into device slot `slot`; modules it does not target stay zero."""
         self.clear_slot(slot)
+        self._slot_ranks[slot] = adapter.rank
         for (layer, module), weights in adapter.modules.items():
             packed, slice_index = PACKED_MODULES[module]
             self._linears[(layer, packed)].set_slice(slot, slice_index, weights.a, weights.b_t)
 
     @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
+        self._slot_ranks[slot] = 0
         for linear in self._linears.values():
             linear.clear_slot(slot)

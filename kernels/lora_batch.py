@@ -8,6 +8,7 @@ import torch
 # on 2 CPU cores a batched matmul replaces ~8 small ones per slot and costs ~6 us per padded row
 # of a SmolLM2 layer, against ~180 us of dispatch per slot in the loop.
 MAX_PAD_FACTOR = 4.0
+FULL_RANK = 1 << 30  # a segment rank meaning "every rank the buffers hold"
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,35 @@ class PaddedLayout:
 
 
 @dataclass(frozen=True)
+class SegmentTable:
+    """The segments as device tensors, for kernels that run one program per block of a segment
+    (SGMV-style; a decode token is a segment of one, BGMV-style)."""
+
+    tokens: torch.Tensor  # [tokens] int32: token indices grouped by slot
+    slots: torch.Tensor  # [segments] int32
+    starts: torch.Tensor  # [segments] int32: where each segment starts in `tokens`
+    lengths: torch.Tensor  # [segments] int32
+    ranks: torch.Tensor  # [segments] int32: the rank of each segment's adapter
+    longest: int  # tokens in the longest segment
+
+    @classmethod
+    def build(
+        cls, segments: tuple[Segment, ...], order: list[int], ranks: list[int] | None, device
+    ) -> "SegmentTable":
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return cls(
+            tensor(order),
+            tensor([s.slot for s in segments]),
+            tensor([s.start for s in segments]),
+            tensor([s.end - s.start for s in segments]),
+            tensor([ranks[s.slot] if ranks else FULL_RANK for s in segments]),
+            max(s.end - s.start for s in segments),
+        )
+
+
+@dataclass(frozen=True)
 class LoraBatch:
     """Built once per step from the token->slot mapping and reused by every LoRA layer.
 
@@ -58,13 +88,16 @@ class LoraBatch:
     already holds each slot's tokens in one contiguous run, as the engine arranges it);
     `segments` are the runs of that grouped order, slot -1 runs left out. `padded` is set when
     the slot-major padded layout wastes at most max_pad_factor x the LoRA rows (decode steps);
-    the kernels then use it instead of looping over segments.
+    the CPU kernels then use it instead of looping over segments. `table` carries the segments
+    for the Triton kernels (None when no token uses an adapter); `slot_ranks[s]` is the rank of
+    the adapter in slot s, so kernels skip padded ranks (None: every slot at full rank).
     """
 
     token_slots: torch.Tensor  # [tokens] int64
     order: torch.Tensor | None  # [tokens] int64, or None when already grouped
     segments: tuple[Segment, ...]
     padded: PaddedLayout | None
+    table: SegmentTable | None
 
     @classmethod
     def build(
@@ -72,17 +105,22 @@ class LoraBatch:
         token_slots: list[int],
         device: torch.device | str = "cpu",
         max_pad_factor: float = MAX_PAD_FACTOR,
+        slot_ranks: list[int] | None = None,
     ) -> "LoraBatch":
         slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [tokens]
+        if torch.device(device).type == "cuda":
+            max_pad_factor = 0  # the Triton kernels walk segments themselves
         padded = _padded_layout(token_slots, max_pad_factor, device)
         runs = _runs(token_slots)
-        lora_runs = [r for r in runs if r.slot >= 0]
+        lora_runs = tuple(r for r in runs if r.slot >= 0)
         if len(lora_runs) == len({r.slot for r in lora_runs}):
-            return cls(slots, None, tuple(lora_runs), padded)
-        order = sorted(range(len(token_slots)), key=token_slots.__getitem__)
-        sorted_runs = _runs([token_slots[i] for i in order])
-        order_t = torch.tensor(order, dtype=torch.int64, device=device)  # [tokens]
-        return cls(slots, order_t, tuple(r for r in sorted_runs if r.slot >= 0), padded)
+            order, order_t = list(range(len(token_slots))), None
+        else:
+            order = sorted(range(len(token_slots)), key=token_slots.__getitem__)
+            lora_runs = tuple(r for r in _runs([token_slots[i] for i in order]) if r.slot >= 0)
+            order_t = torch.tensor(order, dtype=torch.int64, device=device)  # [tokens]
+        table = SegmentTable.build(lora_runs, order, slot_ranks, device) if lora_runs else None
+        return cls(slots, order_t, lora_runs, padded, table)
 
 
 def _runs(slots: list[int]) -> list[Segment]:

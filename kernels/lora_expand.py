@@ -1,8 +1,11 @@
 """lora_expand: add every token's shrunk activations times its adapter's B into the output."""
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.lora_batch import LoraBatch, PaddedLayout
+from kernels.triton_dot import dot, dot_in_fp32
 
 
 def lora_expand(
@@ -17,6 +20,8 @@ def lora_expand(
     it row by row). CPU paths: with batch.padded, one batched matmul per slice over the
     slot-major padded rows (expand_padded), added back in one gather; otherwise one addmm per (slot, slice).
     """
+    if y.is_cuda:
+        return lora_expand_triton(y, buf, b, batch)
     if batch.padded is not None:
         return expand_padded(y, batch.padded.from_tokens(buf), b, batch.padded)
     if batch.order is not None:
@@ -63,6 +68,77 @@ def _expand_scattered(y, buf, b, batch: LoraBatch) -> torch.Tensor:
             delta = grouped_buf[seg.start : seg.end, s] @ b_s[seg.slot]  # [seg_tokens, n_s]
             y[:, offset : offset + b_s.shape[2]].index_add_(0, index, delta)
     return y
+
+
+MAX_SLICES = 3  # q/k/v; the kernel takes one B pointer per slice
+
+
+def lora_expand_triton(y: torch.Tensor, buf: torch.Tensor, b: tuple[torch.Tensor, ...], batch: LoraBatch):
+    """lora_expand as one Triton launch for every slice: a program per (block of a segment's
+    tokens, slice, block of that slice's columns). Each (token, column) has one owner, so the
+    read-add-write of y needs no atomics."""
+    table = batch.table
+    if table is None:
+        return y
+    assert len(b) <= MAX_SLICES and y.stride(1) == 1 and buf.is_contiguous()
+    assert all(b_s.is_contiguous() for b_s in b)
+    sizes = [b_s.shape[2] for b_s in b]
+    offsets = [sum(sizes[:s]) for s in range(len(b))]
+    pad = MAX_SLICES - len(b)
+    rank = buf.shape[2]
+    grid = (
+        table.slots.shape[0],
+        triton.cdiv(table.longest, BLOCK_M),
+        len(b) * triton.cdiv(max(sizes), BLOCK_N),
+    )
+    _expand_kernel[grid](
+        y, buf, *b, *[b[0]] * pad, *offsets, *[0] * pad, *sizes, *[0] * pad,
+        table.tokens, table.slots, table.starts, table.lengths, table.ranks,
+        y.stride(0), len(b), rank, triton.cdiv(max(sizes), BLOCK_N),
+        BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=BLOCK_N,
+        DOT_FP32=dot_in_fp32(),
+    )  # fmt: skip
+    return y
+
+
+BLOCK_M, BLOCK_N = 16, 64
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, buf_ptr, b0_ptr, b1_ptr, b2_ptr, off0, off1, off2, n0, n1, n2,
+    tokens_ptr, slots_ptr, starts_ptr, lengths_ptr, ranks_ptr,
+    y_stride, num_slices, max_rank, column_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    segment, block = tl.program_id(0), tl.program_id(1)
+    s, column_block = tl.program_id(2) // column_blocks, tl.program_id(2) % column_blocks
+    size = tl.where(s == 0, n0, tl.where(s == 1, n1, n2))
+    length = tl.load(lengths_ptr + segment)
+    if block * BLOCK_M < length and column_block * BLOCK_N < size:
+        b_ptr = tl.where(s == 0, b0_ptr, tl.where(s == 1, b1_ptr, b2_ptr))
+        offset = tl.where(s == 0, off0, tl.where(s == 1, off1, off2))
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < length
+        tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
+        slot = tl.load(slots_ptr + segment)
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)  # padded ranks are never read
+        n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < size
+        buf = tl.load(
+            buf_ptr + tokens[:, None] * (num_slices * max_rank) + s * max_rank + r[None, :],
+            mask=row_ok[:, None] & r_ok[None, :],
+        )  # [M, R]
+        b = tl.load(
+            b_ptr + slot * (max_rank * size) + r[:, None] * size + n[None, :],
+            mask=r_ok[:, None] & n_ok[None, :],
+        )
+        delta = dot(buf, b, DOT_FP32)  # [M, N]
+        y = y_ptr + tokens[:, None] * y_stride + offset + n[None, :]
+        keep = row_ok[:, None] & n_ok[None, :]
+        tl.store(y, (tl.load(y, mask=keep).to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
 
 
 def lora_expand_ref(

@@ -1,18 +1,24 @@
 """lora_shrink: project every token onto the A matrices of its own adapter slot."""
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.lora_batch import LoraBatch, PaddedLayout
+from kernels.triton_dot import dot, dot_in_fp32
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
     """Semantics: out[i, s] = A[slot_i, s] @ x[i] for every token i with slot_i >= 0, else 0.
 
     x: [tokens, in]; a: [max_loras, slices, rank, in]; returns [tokens, slices, rank].
-    CPU paths: with batch.padded, one batched matmul over the slot-major padded rows
-    (shrink_padded); otherwise one matmul per distinct slot over its contiguous run of tokens.
-    Either way all slices go at once (A of one slot viewed as [slices * rank, in]).
+    CUDA: the Triton kernel below. CPU paths: with batch.padded, one batched matmul over the
+    slot-major padded rows (shrink_padded); otherwise one matmul per distinct slot over its
+    contiguous run of tokens. Either way all slices go at once (A of one slot viewed as
+    [slices * rank, in]).
     """
+    if x.is_cuda:
+        return lora_shrink_triton(x, a, batch)
     if batch.padded is not None:
         return batch.padded.to_tokens(shrink_padded(x, a, batch.padded), a.shape[1])
     tokens = x.shape[0]
@@ -36,6 +42,56 @@ def shrink_padded(x: torch.Tensor, a: torch.Tensor, layout: PaddedLayout) -> tor
     x_padded = x.index_select(0, layout.gather).view(layout.num_slots, layout.rows, in_features)
     # A @ x^T streams each slot's A row by row: faster than x @ A^T once A is out of cache
     return torch.bmm(a_slots, x_padded.transpose(1, 2))  # [n, slices*rank, rows]
+
+
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+    """lora_shrink as one Triton launch: a program per (block of a segment's tokens, slice)."""
+    _, slices, rank, in_features = a.shape
+    out = x.new_zeros(x.shape[0], slices, rank)  # [tokens, slices, rank]; slot -1 rows stay 0
+    table = batch.table
+    if table is None:
+        return out
+    assert x.stride(1) == 1 and a.is_contiguous() and out.is_contiguous()
+    grid = (table.slots.shape[0], triton.cdiv(table.longest, BLOCK_M), slices)
+    _shrink_kernel[grid](
+        x, a, out, table.tokens, table.slots, table.starts, table.lengths, table.ranks,
+        in_features, x.stride(0), a.stride(0), a.stride(1), rank,
+        BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=BLOCK_K,
+        DOT_FP32=dot_in_fp32(),
+    )  # fmt: skip
+    return out
+
+
+BLOCK_M, BLOCK_K = 16, 64
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, out_ptr, tokens_ptr, slots_ptr, starts_ptr, lengths_ptr, ranks_ptr,
+    in_features, x_stride, a_stride_slot, a_stride_slice, max_rank,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    segment, block, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lengths_ptr + segment)
+    if block * BLOCK_M < length:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < length
+        tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
+        slot = tl.load(slots_ptr + segment)
+        r = tl.arange(0, BLOCK_R)
+        # Ranks past the adapter's own are never read: padding costs no memory traffic.
+        r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)
+        a_rows = a_ptr + slot * a_stride_slot + s * a_stride_slice + r * in_features
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, in_features, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < in_features
+            x = tl.load(x_ptr + tokens[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
+            a = tl.load(a_rows[None, :] + k[:, None], mask=r_ok[None, :] & k_ok[:, None])  # [K, R]
+            acc += dot(x, a, DOT_FP32)  # [M, R]
+        out = out_ptr + tokens[:, None] * (tl.num_programs(2) * max_rank) + s * max_rank + r[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (r[None, :] < max_rank))
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:

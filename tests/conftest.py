@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in Triton's interpreter (numpy on the CPU). It is chosen
+# when a kernel is decorated, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(items):
     """Tests marked gpu run only where CUDA is present."""

@@ -1,0 +1,107 @@
+"""The Triton kernels against the plain loop references: small shapes in Triton's interpreter on
+CPU (every run), full sizes and CUDA-graph replay on a GPU (marker gpu)."""
+
+import pytest
+import torch
+
+from kernels.lora_batch import LoraBatch
+from kernels.lora_expand import lora_expand_ref, lora_expand_triton
+from kernels.lora_shrink import lora_shrink_ref, lora_shrink_triton
+from tests.kernels.slot_spread import SPREADS, token_slots
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SLICE_SIZES = {1: (40,), 2: (48, 48), 3: (72, 24, 24)}  # qkv with GQA has uneven slices
+MAX_LORAS = 4
+RANKS = {"full": None, "mixed": [16, 3, 8, 1]}  # per slot; None: every slot at max rank 16
+
+
+def _case(spread, slices, base_every, ranks, dtype, tokens, in_features, sizes, device="cpu"):
+    torch.manual_seed(0)
+    slots = token_slots(spread, tokens, MAX_LORAS, base_every, grouped=False, seed=slices)
+    batch = LoraBatch.build(slots, device, slot_ranks=ranks)
+    a = torch.randn(MAX_LORAS, slices, 16, in_features, device=device, dtype=dtype)
+    b = tuple(torch.randn(MAX_LORAS, 16, n, device=device, dtype=dtype) for n in sizes)
+    for slot, rank in enumerate(ranks or []):  # slot buffers hold zeros past an adapter's rank
+        a[slot, :, rank:] = 0
+        for b_s in b:
+            b_s[slot, rank:] = 0
+    return batch, a, b
+
+
+def _close(got, expected, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("base_every", [0, 3])
+@pytest.mark.parametrize("ranks", sorted(RANKS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shrink_triton_matches_reference(spread, slices, base_every, ranks, dtype):
+    batch, a, _ = _case(spread, slices, base_every, RANKS[ranks], dtype, 37, 72, SLICE_SIZES[slices])
+    x = torch.randn(37, 72, dtype=dtype)
+    _close(lora_shrink_triton(x, a, batch), lora_shrink_ref(x, a, batch.token_slots), dtype)
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("base_every", [0, 3])
+@pytest.mark.parametrize("ranks", sorted(RANKS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_triton_matches_reference(spread, slices, base_every, ranks, dtype):
+    sizes = SLICE_SIZES[slices]
+    batch, _, b = _case(spread, slices, base_every, RANKS[ranks], dtype, 37, 72, sizes)
+    y = torch.randn(37, sum(sizes), dtype=dtype)
+    buf = torch.randn(37, slices, 16, dtype=dtype)
+    expected = lora_expand_ref(y, buf, b, batch.token_slots)
+    base_rows = batch.token_slots < 0
+    y_base = y[base_rows].clone()
+    out = lora_expand_triton(y, buf, b, batch)
+    _close(out, expected, dtype)
+    assert torch.equal(out[base_rows], y_base)
+
+
+def test_a_batch_without_adapters_launches_nothing():
+    batch = LoraBatch.build([-1] * 5)
+    x, y = torch.randn(5, 16), torch.randn(5, 8)
+    assert torch.count_nonzero(lora_shrink_triton(x, torch.randn(2, 1, 4, 16), batch)) == 0
+    assert torch.equal(lora_expand_triton(y.clone(), torch.randn(5, 1, 4), (torch.randn(2, 4, 8),), batch), y)
+
+
+# Full sizes on a GPU: decode (one token per sequence) and prefill segments, Llama-7B-like widths.
+GPU_SHAPES = [(1, 4096, (4096, 1024, 1024)), (64, 4096, (11008, 11008)), (512, 4096, (4096,))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "in_features", "sizes"), GPU_SHAPES)
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_full_size_on_gpu(tokens, in_features, sizes, spread, dtype):
+    slices = len(sizes)
+    batch, a, b = _case(spread, slices, 3, RANKS["mixed"], dtype, tokens, in_features, sizes, "cuda")
+    x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
+    buf = lora_shrink_triton(x, a, batch)
+    _close(buf, lora_shrink_ref(x.cpu(), a.cpu(), batch.token_slots.cpu()), dtype)
+    y = torch.randn(tokens, sum(sizes), device="cuda", dtype=dtype)
+    expected = lora_expand_ref(y.cpu(), buf.cpu(), tuple(t.cpu() for t in b), batch.token_slots.cpu())
+    _close(lora_expand_triton(y, buf, b, batch), expected, dtype)
+
+
+@pytest.mark.gpu
+def test_triton_kernels_replay_in_a_cuda_graph():
+    batch, a, b = _case("uniform", 3, 3, RANKS["mixed"], torch.bfloat16, 64, 512, (512, 128, 128), "cuda")
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    y0 = torch.randn(64, 768, device="cuda", dtype=torch.bfloat16)
+    y = y0.clone()
+    lora_expand_triton(y, lora_shrink_triton(x, a, batch), b, batch)  # compile before capture
+    expected = lora_expand_triton(y0.clone(), lora_shrink_triton(x, a, batch), b, batch)
+    graph = torch.cuda.CUDAGraph()
+    y.copy_(y0)
+    with torch.cuda.graph(graph):
+        lora_expand_triton(y, lora_shrink_triton(x, a, batch), b, batch)
+    y.copy_(y0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, expected)
