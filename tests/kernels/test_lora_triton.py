@@ -13,15 +13,17 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SLICE_SIZES = {1: (40,), 2: (48, 48), 3: (72, 24, 24)}  # qkv with GQA has uneven slices
 MAX_LORAS = 4
-RANKS = {"full": None, "mixed": [16, 3, 8, 1]}  # per slot; None: every slot at max rank 16
+# max rank of the buffers, and each slot's adapter rank (None: every slot at the max)
+RANKS = {"r8": (8, None), "r16-mixed": (16, [16, 3, 8, 1]), "r32-mixed": (32, [32, 5, 17, 1])}
 
 
 def _case(spread, slices, base_every, ranks, dtype, tokens, in_features, sizes, device="cpu"):
     torch.manual_seed(0)
+    max_rank, ranks = RANKS[ranks]
     slots = token_slots(spread, tokens, MAX_LORAS, base_every, grouped=False, seed=slices)
     batch = LoraBatch.build(slots, device, slot_ranks=ranks)
-    a = torch.randn(MAX_LORAS, slices, 16, in_features, device=device, dtype=dtype)
-    b = tuple(torch.randn(MAX_LORAS, 16, n, device=device, dtype=dtype) for n in sizes)
+    a = torch.randn(MAX_LORAS, slices, max_rank, in_features, device=device, dtype=dtype)
+    b = tuple(torch.randn(MAX_LORAS, max_rank, n, device=device, dtype=dtype) for n in sizes)
     for slot, rank in enumerate(ranks or []):  # slot buffers hold zeros past an adapter's rank
         a[slot, :, rank:] = 0
         for b_s in b:
@@ -40,7 +42,7 @@ def _close(got, expected, dtype):
 @pytest.mark.parametrize("ranks", sorted(RANKS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shrink_triton_matches_reference(spread, slices, base_every, ranks, dtype):
-    batch, a, _ = _case(spread, slices, base_every, RANKS[ranks], dtype, 37, 72, SLICE_SIZES[slices])
+    batch, a, _ = _case(spread, slices, base_every, ranks, dtype, 37, 72, SLICE_SIZES[slices])
     x = torch.randn(37, 72, dtype=dtype)
     _close(lora_shrink_triton(x, a, batch), lora_shrink_ref(x, a, batch.token_slots), dtype)
 
@@ -52,9 +54,9 @@ def test_shrink_triton_matches_reference(spread, slices, base_every, ranks, dtyp
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_expand_triton_matches_reference(spread, slices, base_every, ranks, dtype):
     sizes = SLICE_SIZES[slices]
-    batch, _, b = _case(spread, slices, base_every, RANKS[ranks], dtype, 37, 72, sizes)
+    batch, _, b = _case(spread, slices, base_every, ranks, dtype, 37, 72, sizes)
     y = torch.randn(37, sum(sizes), dtype=dtype)
-    buf = torch.randn(37, slices, 16, dtype=dtype)
+    buf = torch.randn(37, slices, b[0].shape[1], dtype=dtype)
     expected = lora_expand_ref(y, buf, b, batch.token_slots)
     base_rows = batch.token_slots < 0
     y_base = y[base_rows].clone()
@@ -80,7 +82,7 @@ GPU_SHAPES = [(1, 4096, (4096, 1024, 1024)), (64, 4096, (11008, 11008)), (512, 4
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_full_size_on_gpu(tokens, in_features, sizes, spread, dtype):
     slices = len(sizes)
-    batch, a, b = _case(spread, slices, 3, RANKS["mixed"], dtype, tokens, in_features, sizes, "cuda")
+    batch, a, b = _case(spread, slices, 3, "r16-mixed", dtype, tokens, in_features, sizes, "cuda")
     x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
     buf = lora_shrink_triton(x, a, batch)
     _close(buf, lora_shrink_ref(x.cpu(), a.cpu(), batch.token_slots.cpu()), dtype)
@@ -91,7 +93,7 @@ def test_triton_full_size_on_gpu(tokens, in_features, sizes, spread, dtype):
 
 @pytest.mark.gpu
 def test_triton_kernels_replay_in_a_cuda_graph():
-    batch, a, b = _case("uniform", 3, 3, RANKS["mixed"], torch.bfloat16, 64, 512, (512, 128, 128), "cuda")
+    batch, a, b = _case("uniform", 3, 3, "r16-mixed", torch.bfloat16, 64, 512, (512, 128, 128), "cuda")
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     y0 = torch.randn(64, 768, device="cuda", dtype=torch.bfloat16)
     y = y0.clone()

@@ -1,0 +1,109 @@
+"""The Triton LoRA kernels on a GPU: achieved bytes/s of shrink + expand for decode batches
+against the device's measured copy bandwidth, over batch size, distinct adapters and rank; then
+the engine's decode tokens/s with 8 rank-16 adapters against the base model. Needs CUDA.
+
+    .venv/bin/python -m bench.lora_kernels [--hidden 4096] [--dtype bfloat16]
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine_overhead import decode_rate
+from bench.random_adapter import write_random_adapter
+from inference_service.default_model import prepare_default_model
+from inference_service.engine import Engine, EngineConfig
+from kernels.lora_batch import LoraBatch
+from kernels.lora_expand import lora_expand_triton
+from kernels.lora_shrink import lora_shrink_triton
+from shared.dtypes import DTYPES
+
+BATCHES, ADAPTERS, RANKS = (1, 8, 32, 64, 128, 256), (1, 4, 16, 32), (8, 16, 32, 64)
+
+
+def cuda_seconds(fn, repeats: int = 20) -> float:
+    """Median seconds of fn() on the GPU, timed with CUDA events."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src))  # read + write
+
+
+def kernel_bandwidth(batch: int, adapters: int, rank: int, hidden: int, dtype: torch.dtype) -> float:
+    """Bytes the decode step must move (x, the adapters' A and B, y read and written) per second."""
+    slots = [i % adapters for i in range(batch)]
+    lora = LoraBatch.build(slots, "cuda", slot_ranks=[rank] * adapters)
+    x = torch.randn(batch, hidden, device="cuda", dtype=dtype)
+    a = torch.randn(adapters, 1, rank, hidden, device="cuda", dtype=dtype)
+    b = (torch.randn(adapters, rank, hidden, device="cuda", dtype=dtype),)
+    y = torch.randn(batch, hidden, device="cuda", dtype=dtype)
+    seconds = cuda_seconds(lambda: lora_expand_triton(y, lora_shrink_triton(x, a, lora), b, lora))
+    used = min(adapters, batch)
+    moved = (x.numel() + 2 * y.numel() + used * 2 * rank * hidden) * x.element_size()
+    return moved / seconds
+
+
+def engine_overhead() -> tuple[float, float]:
+    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    config = EngineConfig(model=str(model_dir), device="cuda", max_loras=8, max_lora_rank=16, max_cpu_loras=8)
+    engine = Engine(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(8):
+            folder = write_random_adapter(engine.runner.model_config, Path(tmp) / f"r16-{i}", 16, seed=i)
+            engine.add_adapter(folder.name, folder)
+        with torch.inference_mode():
+            rates = {}
+            for name, adapters in {"base": [None] * 32, "lora": [f"r16-{i % 8}" for i in range(32)]}.items():
+                decode_rate(engine, adapters, 32, 32)  # warm-up
+                rates[name] = statistics.median(decode_rate(engine, adapters, 32, 32) for _ in range(3))
+    return rates["base"], rates["lora"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: the Triton kernels are benchmarked on a GPU only")
+        return
+    peak = copy_bandwidth()
+    print(
+        f"{torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:.0f} GB/s, "
+        f"hidden {args.hidden}, {args.dtype}"
+    )
+    print("batch  adapters  rank   GB/s   of copy bandwidth")
+    started = time.perf_counter()
+    for batch in BATCHES:
+        for adapters in ADAPTERS:
+            for rank in RANKS:
+                rate = kernel_bandwidth(batch, adapters, rank, args.hidden, DTYPES[args.dtype])
+                print(f"{batch:5d}  {adapters:8d}  {rank:4d}  {rate / 1e9:6.0f}   {rate / peak:6.1%}")
+    base, lora = engine_overhead()
+    print(
+        f"engine decode tok/s, default model, 32 requests: base {base:.1f}, 8 rank-16 adapters {lora:.1f}, "
+        f"ratio {lora / base:.3f} ({time.perf_counter() - started:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
