@@ -73,7 +73,9 @@ def _expand_scattered(y, buf, b, batch: LoraBatch) -> torch.Tensor:
 MAX_SLICES = 3  # q/k/v; the kernel takes one B pointer per slice
 
 
-def lora_expand_triton(y: torch.Tensor, buf: torch.Tensor, b: tuple[torch.Tensor, ...], batch: LoraBatch):
+def lora_expand_triton(
+    y: torch.Tensor, buf: torch.Tensor, b: tuple[torch.Tensor, ...], batch: LoraBatch
+) -> torch.Tensor:
     """lora_expand as one Triton launch for every slice: a program per (block of a segment's
     tokens, slice, block of that slice's columns). Each (token, column) has one owner, so the
     read-add-write of y needs no atomics."""
