@@ -1,9 +1,7 @@
 """Run the adapter store: the gRPC server with its interceptors, health and reflection, until a
 signal stops it."""
 
-import asyncio
 import logging
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,7 +10,7 @@ from adapter_store.config import StoreConfig
 from adapter_store.servicer import ADMIN_METHODS, SERVICE, AdapterStoreServicer
 from adapter_store.store import Store
 from shared.errors import InvalidArgument
-from shared.grpc_server import ErrorInterceptor, TokenInterceptor, add_health_and_reflection
+from shared.grpc_server import ErrorInterceptor, TokenInterceptor, add_health_and_reflection, until_signal
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -44,16 +42,8 @@ async def serve(config: StoreConfig) -> None:
         await server.start()
         host = config.listen.rsplit(":", 1)[0]
         print(f"adapter store listening on {host}:{port}", flush=True)
-        await _until_signal()
+        await until_signal()
         log.info("stopping: new calls are refused, calls in flight get %.0f s", GRACE_S)
         await health.enter_graceful_shutdown()
         await server.stop(GRACE_S)
     store.close()
-
-
-async def _until_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

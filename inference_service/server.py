@@ -4,7 +4,6 @@ finish within the drain timeout, then exit."""
 
 import asyncio
 import logging
-import signal
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -16,7 +15,7 @@ from inference_service.store_loader import StoreAdapterLoader
 from inference_service.store_watch import StoreWatch
 from inference_service.worker_config import WorkerConfig
 from shared.errors import InvalidArgument
-from shared.grpc_server import ErrorInterceptor, TokenInterceptor, add_health_and_reflection
+from shared.grpc_server import ErrorInterceptor, TokenInterceptor, add_health_and_reflection, until_signal
 from shared.model_config import ModelConfig
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 
@@ -42,7 +41,7 @@ async def serve(config: WorkerConfig) -> None:
     await health.set("readiness", SERVING)
     await health.set(SERVICE, SERVING)
     log.info("ready: model %s, %s", config.engine.model, f"store {config.store}" if store else "no store")
-    await _until_signal()
+    await until_signal()
     await _drain(config, server, health, admission, engine)
     if watch is not None:
         watch.stop()
@@ -97,11 +96,3 @@ async def _drain(config, server, health, admission: Admission, engine: Engine) -
         await admission.drained(5.0)
     await server.stop(1.0)
     await asyncio.to_thread(engine.stop)
-
-
-async def _until_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

@@ -1,7 +1,9 @@
 """What both gRPC services share: domain errors mapped to status codes in one place, bearer-token
 checks, and the standard health and reflection services."""
 
+import asyncio
 import logging
+import signal
 from collections.abc import Iterable
 
 import grpc
@@ -121,3 +123,12 @@ async def add_health_and_reflection(server: grpc.aio.Server, service_names: list
         server,
     )
     return health
+
+
+async def until_signal() -> None:
+    """Returns on SIGTERM or SIGINT: where a server starts its shutdown."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
