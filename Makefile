@@ -15,6 +15,10 @@ test: .venv/.test shared/pb/.built
 	$(PY) -m ruff check .
 	LORAMUX_CACHE=$(CACHE) $(PY) -m pytest
 
+# The whole suite takes about 6 min on 2 cores; results land in bench/results/ (REPORT.md links them).
+bench: .venv/.bench shared/pb/.built
+	LORAMUX_CACHE=$(CACHE) $(PY) -m bench.suite
+
 lint: .venv/.test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -33,6 +37,10 @@ lint: .venv/.test
 
 .venv/.test: .venv/.runtime
 	$(PIP) install --quiet -e '.[default-model,test]'
+	touch $@
+
+.venv/.bench: .venv/.test
+	$(PIP) install --quiet -e '.[default-model,test,bench]'
 	touch $@
 
 # Generated stubs import as shared.pb.loramux.<service>.v1: protoc's virtual path "shared/pb"

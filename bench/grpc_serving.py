@@ -1,6 +1,7 @@
 """Serving over gRPC against the in-process engine, on the default model:
-- tokens/s of 32 concurrent greedy streams (8 distinct rank-16 adapters) through a real store and
-  worker process, against Engine.generate on the same requests in this process;
+- tokens/s of 32 concurrent greedy streams (8 distinct rank-16 adapters) through the SDK
+  (`loramux.Client`) to a real store and worker process, against Engine.generate on the same
+  requests in this process;
 - time to first token for a request whose adapter is cold (fetched from the store, loaded,
   activated) against one whose adapter is resident.
 Rounds alternate between the two sides; medians are printed.
@@ -15,21 +16,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import loramux
 from bench.random_adapter import write_random_adapter
 from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
-from shared.pb.loramux.inference.v1 import inference_pb2 as pb
-from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
-from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
-from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as store_grpc
 
 STREAMS, ADAPTERS, RANK, PROMPT, TOKENS = 32, 8, 16, 32, 32
 ENGINE = {
@@ -70,48 +69,48 @@ def in_process_rate(engine: Engine) -> float:
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start_t)
 
 
-def stream(stub, adapter: str, ids: list[int], max_tokens: int) -> tuple[int, float]:
-    """(tokens received, seconds to the first token)."""
-    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    request = pb.GenerateRequest(adapter=adapter, token_ids=pb.TokenIds(ids=ids), sampling=params)
+def stream(client: loramux.Client, adapter: str, ids: list[int], max_tokens: int) -> tuple[int, float]:
+    """(tokens received, seconds to the first token), as the caller sees them."""
     start_t, first, tokens = time.perf_counter(), None, 0
-    for response in stub.Generate(request, timeout=600):
-        if response.delta.token_ids and first is None:
+    deltas = client.generate(
+        token_ids=ids, adapter=adapter, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=600
+    )
+    for delta in deltas:
+        if delta.token_ids and first is None:
             first = time.perf_counter() - start_t
-        tokens += len(response.delta.token_ids)
+        tokens += len(delta.token_ids)
     return tokens, first
 
 
-def grpc_rate(stub) -> float:
+def grpc_rate(client: loramux.Client) -> float:
     start_t = time.perf_counter()
     with ThreadPoolExecutor(STREAMS) as pool:
-        counts = list(pool.map(lambda r: stream(stub, r[0], r[1], TOKENS)[0], requests()))
+        counts = list(pool.map(lambda r: stream(client, r[0], r[1], TOKENS)[0], requests()))
     return sum(counts) / (time.perf_counter() - start_t)
 
 
-def cold_and_resident_ttft(stub, admin, folder: Path, i: int) -> tuple[float, float]:
+def cold_and_resident_ttft(client: loramux.Client, folder: Path, i: int) -> tuple[float, float]:
     name = f"cold-{i}"
-    admin.RegisterAdapter(store_pb.RegisterAdapterRequest(adapter_id=name, source_uri=f"file://{folder}"))
-    cold = stream(stub, name, [7] * PROMPT, 1)[1]
-    resident = stream(stub, name, [8] * PROMPT, 1)[1]
+    client.register_adapter(name, f"file://{folder}")
+    cold = stream(client, name, [7] * PROMPT, 1)[1]
+    resident = stream(client, name, [8] * PROMPT, 1)[1]
     return cold, resident
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    cache = Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve()
-    model_dir = prepare_default_model(cache)
+def grpc_vs_in_process(
+    model_dir: Path, repeats: int = 3, progress: Callable[[str], None] = lambda line: None
+) -> dict:
+    """Tokens/s over gRPC and in process, TTFT cold and resident: per round, medians, ratios."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "adapters"
         model = ModelConfig.from_dir(model_dir)
-        folders = [write_random_adapter(model, root / f"r16-{i}", RANK, seed=i) for i in range(ADAPTERS + 4)]
+        # one fresh adapter per round for the cold TTFT: the worker caches blobs by digest
+        count = ADAPTERS + repeats
+        folders = [write_random_adapter(model, root / f"r16-{i}", RANK, seed=i) for i in range(count)]
         engine = Engine(EngineConfig(model=str(model_dir), kv_cache_tokens=STREAMS * 96, **ENGINE))
         for folder in folders[:ADAPTERS]:
             engine.add_adapter(folder.name, folder)
+        progress("starting a store and a worker")
         store, store_address = start(
             "adapter_store", "--data-dir", f"{tmp}/store", "--allowed-root", str(root)
         )
@@ -120,7 +119,8 @@ def main() -> None:
         worker, address = start("inference_service", *worker_flags, env={"LORAMUX_CACHE": f"{tmp}/worker"})
         try:
             wait_ready(address)
-            report(measure(engine, address, store_address, folders, args.repeats), args.repeats)
+            with loramux.Client(worker=address, store=store_address) as client:
+                return summary(measure(engine, client, folders, repeats, progress), repeats)
         finally:
             worker.terminate()
             store.terminate()
@@ -128,34 +128,74 @@ def main() -> None:
             store.wait()
 
 
-def measure(engine: Engine, address: str, store_address: str, folders: list[Path], repeats: int) -> dict:
-    with grpc.insecure_channel(address) as channel, grpc.insecure_channel(store_address) as store_channel:
-        stub, admin = pb_grpc.InferenceServiceStub(channel), store_grpc.AdapterStoreStub(store_channel)
-        for folder in folders[:ADAPTERS]:
-            request = store_pb.RegisterAdapterRequest(adapter_id=folder.name, source_uri=f"file://{folder}")
-            admin.RegisterAdapter(request)
-        results: dict[str, list[float]] = {"in-process": [], "grpc": [], "cold": [], "resident": []}
-        grpc_rate(stub)  # warm-up: adapters fetched and resident
-        in_process_rate(engine)
-        for i in range(repeats):
-            results["in-process"].append(in_process_rate(engine))
-            results["grpc"].append(grpc_rate(stub))
-            cold, resident = cold_and_resident_ttft(stub, admin, folders[ADAPTERS + i % 4], i)
-            results["cold"].append(cold)
-            results["resident"].append(resident)
-    return {name: statistics.median(values) for name, values in results.items()}
+def measure(
+    engine: Engine, client: loramux.Client, folders: list[Path], repeats: int, progress: Callable[[str], None]
+) -> dict[str, list[float]]:
+    client.model_info()  # opens the worker's channel before 32 threads share it
+    for folder in folders[:ADAPTERS]:
+        client.register_adapter(folder.name, f"file://{folder}")
+    results: dict[str, list[float]] = {"in-process": [], "grpc": [], "cold": [], "resident": []}
+    progress("warm-up round")
+    grpc_rate(client)  # adapters fetched and resident
+    in_process_rate(engine)
+    for i in range(repeats):
+        progress(f"round {i + 1}/{repeats}")
+        results["in-process"].append(in_process_rate(engine))
+        results["grpc"].append(grpc_rate(client))
+        cold, resident = cold_and_resident_ttft(client, folders[ADAPTERS + i], i)
+        results["cold"].append(cold)
+        results["resident"].append(resident)
+    return results
 
 
-def report(m: dict, repeats: int) -> None:
-    print(
-        f"default model, {STREAMS} streams x ({PROMPT} prompt + {TOKENS} new tokens), {ADAPTERS} distinct "
-        f"rank-{RANK} adapters, median of {repeats}"
+def summary(results: dict[str, list[float]], repeats: int) -> dict:
+    """Medians, and the medians of per-round ratios (each round times both sides back to back)."""
+    ratios = {
+        "grpc": [g / p for g, p in zip(results["grpc"], results["in-process"], strict=True)],
+        "cold": [c / r for c, r in zip(results["cold"], results["resident"], strict=True)],
+    }
+    median = {name: statistics.median(values) for name, values in results.items()}
+    table = [
+        {
+            "case": f"{STREAMS} concurrent SDK streams over gRPC, tok/s",
+            "value": round(median["grpc"], 1),
+            "baseline": "Engine.generate in process, tok/s",
+            "baseline value": round(median["in-process"], 1),
+            "ratio": round(statistics.median(ratios["grpc"]), 3),
+        },
+        {
+            "case": "TTFT, cold adapter (fetch, load, activate), ms",
+            "value": round(median["cold"] * 1e3, 1),
+            "baseline": "TTFT, resident adapter, ms",
+            "baseline value": round(median["resident"] * 1e3, 1),
+            "ratio": round(statistics.median(ratios["cold"]), 2),
+        },
+    ]
+    return {
+        "setup": (
+            f"default model, {STREAMS} streams x ({PROMPT} prompt + {TOKENS} new tokens), greedy, "
+            f"{ADAPTERS} distinct rank-{RANK} adapters, through a store and a worker process on the same "
+            f"machine; TTFT of a {PROMPT}-token prompt, 1 new token; medians of {repeats} rounds, each "
+            f"timing both sides back to back, after a warm-up round"
+        ),
+        "table": table,
+        "values": results,
+        "ratios": ratios,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    print(f"in-process engine tok/s:   {m['in-process']:8.1f}")
-    print(f"gRPC, 32 streams tok/s:    {m['grpc']:8.1f}")
-    print(f"ratio gRPC / in-process:   {m['grpc'] / m['in-process']:8.3f}")
-    print(f"TTFT cold adapter:         {m['cold'] * 1000:8.1f} ms")
-    print(f"TTFT resident adapter:     {m['resident'] * 1000:8.1f} ms")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    result = grpc_vs_in_process(model_dir, args.repeats)
+    print(result["setup"])
+    for row in result["table"]:
+        print(f"{row['case']}: {row['value']} against {row['baseline']} {row['baseline value']}")
+        print(f"    ratio {row['ratio']}")
 
 
 if __name__ == "__main__":

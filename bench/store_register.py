@@ -6,12 +6,14 @@ loopback), beside a plain read of its files from each. Medians of several runs, 
 """
 
 import argparse
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -47,18 +49,21 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    os.environ.update(AWS)
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+def register_vs_read(
+    model_dir: Path, repeats: int = 5, progress: Callable[[str], None] = lambda line: None
+) -> dict:
+    """Seconds per round of each case (register / read, from disk / S3) and their ratios."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
     endpoint = "http://{}:{}".format(*moto.get_host_and_port())
-    s3 = boto3.client("s3", endpoint_url=endpoint)
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=AWS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=AWS["AWS_SECRET_ACCESS_KEY"],
+        region_name=AWS["AWS_DEFAULT_REGION"],
+    )
     s3.create_bucket(Bucket=BUCKET)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "sources"
@@ -70,15 +75,17 @@ def main() -> None:
         process, address = start_store(Path(tmp) / "data", root, endpoint, model_dir)
         try:
             with grpc.insecure_channel(address) as channel:
-                times = run(pb_grpc.AdapterStoreStub(channel), s3, folder, files, args.repeats)
+                times = run(pb_grpc.AdapterStoreStub(channel), s3, folder, files, repeats, progress)
         finally:
             process.terminate()
             process.wait()
     moto.stop()
-    report(times, size, args.repeats)
+    return summary(times, size, repeats)
 
 
-def run(stub, s3, folder: Path, files: list[Path], repeats: int) -> dict[str, list[float]]:
+def run(
+    stub, s3, folder: Path, files: list[Path], repeats: int, progress: Callable[[str], None]
+) -> dict[str, list[float]]:
     def register(uri: str, i: int):
         return lambda: stub.RegisterAdapter(pb.RegisterAdapterRequest(adapter_id=f"a{i}", source_uri=uri))
 
@@ -92,6 +99,7 @@ def run(stub, s3, folder: Path, files: list[Path], repeats: int) -> dict[str, li
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(repeats + 1):  # round 0 warms up and is dropped
+        progress(f"registration round {i}/{repeats}" if i else "registration warm-up round")
         for name, case in cases.items():
             took = timed(case(i))
             if i:
@@ -99,17 +107,54 @@ def run(stub, s3, folder: Path, files: list[Path], repeats: int) -> dict[str, li
     return times
 
 
-def report(times: dict[str, list[float]], size: int, repeats: int) -> None:
-    print(
-        f"rank-{RANK} all-linear adapter of the default model, {size / 1e6:.1f} MB of safetensors, "
-        f"median of {repeats}"
-    )
+def summary(times: dict[str, list[float]], size: int, repeats: int) -> dict:
+    """Medians, and per source the median of per-round register/read ratios (a round times
+    both back to back)."""
     median = {name: statistics.median(t) for name, t in times.items()}
-    for name, seconds in median.items():
-        print(f"{name:20s} {seconds * 1000:8.1f} ms")
-    for source in ("disk", "S3"):
-        ratio = median[f"register from {source}"] / median[f"read from {source}"]
-        print(f"register / read, {source}: {ratio:6.1f}x")
+    ratios = {
+        source: [
+            reg / read
+            for reg, read in zip(times[f"register from {source}"], times[f"read from {source}"], strict=True)
+        ]
+        for source in ("disk", "S3")
+    }
+    table = [
+        {
+            "case": f"register from {source}, median",
+            "ms": round(median[f"register from {source}"] * 1e3, 1),
+            "baseline": f"read of the same files from {source}, median",
+            "baseline ms": round(median[f"read from {source}"] * 1e3, 1),
+            "ratio": round(statistics.median(ratios[source]), 2),
+        }
+        for source in ("disk", "S3")
+    ]
+    return {
+        "setup": (
+            f"a rank-{RANK} all-linear adapter of the default model ({size / 1e6:.1f} MB of safetensors) "
+            f"registered through a real store process (validate, optimize, write content-addressed) "
+            f"beside a plain read of the same files; S3 is moto's server on loopback; medians of "
+            f"{repeats} interleaved rounds after a dropped warm-up round"
+        ),
+        "table": table,
+        "adapter_bytes": size,
+        "seconds": times,
+        "register_over_read": ratios,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    result = register_vs_read(model_dir, args.repeats)
+    print(result["setup"])
+    for name, seconds in result["seconds"].items():
+        print(f"{name:20s} {statistics.median(seconds) * 1000:8.1f} ms")
+    for row in result["table"]:
+        print(f"{row['case']} / read: {row['ratio']:6.1f}x")
 
 
 if __name__ == "__main__":

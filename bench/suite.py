@@ -1,0 +1,154 @@
+"""The benchmark suite behind `make bench`: runs the named benchmarks in order, printing progress,
+and writes bench/results/<name>.json (figures, every round's numbers, the command, the machine,
+a UTC timestamp), bench/results/<name>.png and bench/results/REPORT.md.
+
+    .venv/bin/python -m bench.suite [--only NAME ...] [--repeats 5] [--results bench/results]
+"""
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from bench import engine_overhead, grpc_serving, plots, slot_activation, store_register
+from bench.report import write_atomic, write_report
+from inference_service.default_model import prepare_default_model
+
+Progress = Callable[[str], None]
+ADAPTER_COUNTS = (0, 1, 8, 32)
+ACTIVATIONS = 50
+
+
+def lora_overhead(model_dir: Path, repeats: int, progress: Progress) -> dict:
+    return engine_overhead.lora_overhead(model_dir, ADAPTER_COUNTS, repeats, progress=progress)
+
+
+def adapter_loading(model_dir: Path, repeats: int, progress: Progress) -> dict:
+    registration = store_register.register_vs_read(model_dir, repeats, progress)
+    progress(f"{ACTIVATIONS} slot activations")
+    activation = slot_activation.slot_activation(model_dir, ACTIVATIONS)
+    return {
+        "setup": f"Registration: {registration['setup']}.\n\nActivation: {activation['setup']}.",
+        "table": registration["table"] + activation["table"],
+        "registration": registration,
+        "activation": activation,
+    }
+
+
+def grpc_overhead(model_dir: Path, repeats: int, progress: Progress) -> dict:
+    return grpc_serving.grpc_vs_in_process(model_dir, repeats, progress)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    title: str
+    run: Callable[[Path, int, Progress], dict]  # (model dir, rounds, progress) -> result
+    plot: Callable[[dict, Path], None]
+
+
+BENCHMARKS = (
+    Benchmark("lora_overhead", "LoRA overhead", lora_overhead, plots.lora_overhead),
+    Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading),
+    Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead),
+)
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def command(args: list[str]) -> str:
+    """This process's command line as one types it in the current directory (the repo root)."""
+    env = [f"LORAMUX_CACHE={local(os.environ['LORAMUX_CACHE'])}"] if "LORAMUX_CACHE" in os.environ else []
+    return shlex.join([*env, local(sys.executable), "-m", "bench.suite", *args])
+
+
+def local(path: str) -> str:
+    """`path` relative to the current directory when it lies inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def elapsed(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def progress_printer(index: int, total: int, name: str, started: float) -> Progress:
+    """Prints "[2/3] name: line (1m23s)", the time counted from the suite's start."""
+
+    def progress(line: str) -> None:
+        print(f"[{index}/{total}] {name}: {line} ({elapsed(time.perf_counter() - started)})", flush=True)
+
+    return progress
+
+
+def run_one(bench: Benchmark, model_dir: Path, args, progress: Progress, argv: list[str]) -> dict:
+    start = time.perf_counter()
+    utc = datetime.now(UTC).isoformat(timespec="seconds")
+    result = bench.run(model_dir, args.repeats, progress)
+    return {
+        "benchmark": bench.name,
+        "title": bench.title,
+        "command": command(argv),
+        "rerun": command(["--only", bench.name, "--repeats", str(args.repeats)]),
+        "machine": machine(),
+        "utc": utc,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "result": result,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    names = [b.name for b in BENCHMARKS]
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", nargs="+", choices=names, default=names, metavar="NAME", help=str(names))
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per benchmark")
+    parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    chosen = [b for b in BENCHMARKS if b.name in args.only]
+    args.results.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    print(f"$ {command(argv)}", flush=True)
+    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    for index, bench in enumerate(chosen, 1):
+        progress = progress_printer(index, len(chosen), bench.name, started)
+        progress("start")
+        record = run_one(bench, model_dir, args, progress, argv)
+        write_atomic(args.results / f"{bench.name}.json", json.dumps(record, indent=1) + "\n")
+        bench.plot(record["result"], args.results / f"{bench.name}.png")
+        report = write_report(args.results, names)
+        progress(f"done in {record['wall_s']:.0f} s; {report}")
+    print(f"all done in {elapsed(time.perf_counter() - started)}; report: {report}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
