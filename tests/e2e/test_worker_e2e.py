@@ -14,6 +14,7 @@ from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
 from tests.adapter_store.conftest import AUTH, upload_folder
+from tests.conftest import TINY_ADAPTERS, build_peft_adapter
 from tests.e2e.conftest import WorkerProcess, register
 
 ADAPTERS = ("all8", "qv4", "mlp16rs", "re2")
@@ -97,8 +98,10 @@ def test_unknown_adapter_and_bad_input_get_precise_statuses(generate, registered
         assert e.value.code() == code and named in e.value.details()
 
 
-def test_pinning_in_the_store_preloads_the_adapter_on_the_worker(generate, admin, sources_root):
-    register(admin, "preloaded", f"file://{sources_root / 'mlp16rs'}")
+def test_pinning_in_the_store_preloads_the_adapter_on_the_worker(generate, admin, sources_root, long_model):
+    # Content of its own: a digest shared with an adapter left in a device slot would read DEVICE.
+    build_peft_adapter(long_model, sources_root / "preloaded", seed=77, **TINY_ADAPTERS["mlp16rs"])
+    register(admin, "preloaded", f"file://{sources_root / 'preloaded'}")
     admin.PinAdapter(store_pb.PinAdapterRequest(adapter_id="preloaded"), metadata=AUTH)
 
     def held():
