@@ -44,6 +44,8 @@ class StoreWatch:
                 if self._stop.is_set():
                     return
                 log.warning("adapter store watch lost (%s); retrying", e.code().name)
+            except Exception:  # a bug applying one event must not end following the store
+                log.exception("applying an adapter store event failed; resyncing")
             self.synced.clear()
             self._loader.sync(None)
             failures += 1
@@ -52,13 +54,16 @@ class StoreWatch:
     def _follow(self) -> None:
         self._stream = self._stub.WatchAdapters(pb.WatchAdaptersRequest())
         snapshot: dict[str, pb.Adapter] = {}
-        for event in self._stream:
-            if event.type == Event.TYPE_EXISTING:
-                snapshot[event.adapter.adapter_id] = event.adapter
-            elif event.type == Event.TYPE_SYNCED:
-                self._resync(snapshot)
-            else:
-                self._apply(event)
+        try:
+            for event in self._stream:
+                if event.type == Event.TYPE_EXISTING:
+                    snapshot[event.adapter.adapter_id] = event.adapter
+                elif event.type == Event.TYPE_SYNCED:
+                    self._resync(snapshot)
+                else:
+                    self._apply(event)
+        finally:
+            self._stream.cancel()
 
     def _resync(self, snapshot: dict[str, pb.Adapter]) -> None:
         """Whatever changed while the stream was down: deleted or re-registered adapters are
