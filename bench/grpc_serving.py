@@ -1,10 +1,7 @@
-"""Serving over gRPC against the in-process engine, on the default model:
-- tokens/s of 32 concurrent greedy streams (8 distinct rank-16 adapters) through the SDK
-  (`loramux.Client`) to a real store and worker process, against Engine.generate on the same
-  requests in this process;
-- time to first token for a request whose adapter is cold (fetched from the store, loaded,
-  activated) against one whose adapter is resident.
-Rounds alternate between the two sides; medians are printed.
+"""Serving over gRPC against the in-process engine, on the default model: tokens/s of 32
+concurrent greedy streams (8 distinct rank-16 adapters) through the SDK (`loramux.Client`) to a
+real store and worker process, against Engine.generate on the same requests in this process.
+Rounds time both sides back to back; medians are printed.
 
     .venv/bin/python -m bench.grpc_serving [--repeats 3]
 """
@@ -12,18 +9,14 @@ Rounds alternate between the two sides; medians are printed.
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 import loramux
+from bench.local_stack import local_stack
 from bench.random_adapter import write_random_adapter
 from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, EngineConfig, Request
@@ -39,24 +32,6 @@ ENGINE = {
 }
 
 
-def start(module: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, "--listen", "127.0.0.1:0", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    return process, process.stdout.readline().split()[-1]
-
-
-def wait_ready(address: str) -> None:
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while health.Check(health_pb2.HealthCheckRequest(service="readiness")).status != 1:
-            time.sleep(0.2)
-
-
 def requests() -> list[tuple[str, list[int]]]:
     return [(f"r16-{i % ADAPTERS}", [100 + i] * PROMPT) for i in range(STREAMS)]
 
@@ -69,72 +44,45 @@ def in_process_rate(engine: Engine) -> float:
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start_t)
 
 
-def stream(client: loramux.Client, adapter: str, ids: list[int], max_tokens: int) -> tuple[int, float]:
-    """(tokens received, seconds to the first token), as the caller sees them."""
-    start_t, first, tokens = time.perf_counter(), None, 0
+def stream(client: loramux.Client, adapter: str, ids: list[int]) -> int:
+    """Tokens received."""
     deltas = client.generate(
-        token_ids=ids, adapter=adapter, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=600
+        token_ids=ids, adapter=adapter, max_tokens=TOKENS, temperature=0, ignore_eos=True, timeout=600
     )
-    for delta in deltas:
-        if delta.token_ids and first is None:
-            first = time.perf_counter() - start_t
-        tokens += len(delta.token_ids)
-    return tokens, first
+    return sum(len(delta.token_ids) for delta in deltas)
 
 
 def grpc_rate(client: loramux.Client) -> float:
     start_t = time.perf_counter()
     with ThreadPoolExecutor(STREAMS) as pool:
-        counts = list(pool.map(lambda r: stream(client, r[0], r[1], TOKENS)[0], requests()))
+        counts = list(pool.map(lambda r: stream(client, *r), requests()))
     return sum(counts) / (time.perf_counter() - start_t)
-
-
-def cold_and_resident_ttft(client: loramux.Client, folder: Path, i: int) -> tuple[float, float]:
-    name = f"cold-{i}"
-    client.register_adapter(name, f"file://{folder}")
-    cold = stream(client, name, [7] * PROMPT, 1)[1]
-    resident = stream(client, name, [8] * PROMPT, 1)[1]
-    return cold, resident
 
 
 def grpc_vs_in_process(
     model_dir: Path, repeats: int = 3, progress: Callable[[str], None] = lambda line: None
 ) -> dict:
-    """Tokens/s over gRPC and in process, TTFT cold and resident: per round, medians, ratios."""
+    """Tokens/s over gRPC and in process: per round, medians, ratios."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "adapters"
         model = ModelConfig.from_dir(model_dir)
-        # one fresh adapter per round for the cold TTFT: the worker caches blobs by digest
-        count = ADAPTERS + repeats
-        folders = [write_random_adapter(model, root / f"r16-{i}", RANK, seed=i) for i in range(count)]
+        folders = [write_random_adapter(model, root / f"r16-{i}", RANK, seed=i) for i in range(ADAPTERS)]
         engine = Engine(EngineConfig(model=str(model_dir), kv_cache_tokens=STREAMS * 96, **ENGINE))
-        for folder in folders[:ADAPTERS]:
+        for folder in folders:
             engine.add_adapter(folder.name, folder)
         progress("starting a store and a worker")
-        store, store_address = start(
-            "adapter_store", "--data-dir", f"{tmp}/store", "--allowed-root", str(root)
-        )
-        worker_flags = ["--store", store_address, "--model", str(model_dir), "--max-loras", str(ADAPTERS)]
-        worker_flags += ["--max-cpu-loras", str(2 * ADAPTERS), "--kv-cache-tokens", str(STREAMS * 96 + 512)]
-        worker, address = start("inference_service", *worker_flags, env={"LORAMUX_CACHE": f"{tmp}/worker"})
-        try:
-            wait_ready(address)
-            with loramux.Client(worker=address, store=store_address) as client:
-                return summary(measure(engine, client, folders, repeats, progress), repeats)
-        finally:
-            worker.terminate()
-            store.terminate()
-            worker.wait()
-            store.wait()
+        flags = ["--max-loras", str(ADAPTERS), "--max-cpu-loras", str(2 * ADAPTERS)]
+        flags += ["--kv-cache-tokens", str(STREAMS * 96 + 512)]
+        with local_stack(model_dir, root, Path(tmp), *flags) as client:
+            return summary(measure(engine, client, folders, repeats, progress), repeats)
 
 
 def measure(
     engine: Engine, client: loramux.Client, folders: list[Path], repeats: int, progress: Callable[[str], None]
 ) -> dict[str, list[float]]:
-    client.model_info()  # opens the worker's channel before 32 threads share it
-    for folder in folders[:ADAPTERS]:
+    for folder in folders:
         client.register_adapter(folder.name, f"file://{folder}")
-    results: dict[str, list[float]] = {"in-process": [], "grpc": [], "cold": [], "resident": []}
+    results: dict[str, list[float]] = {"in-process": [], "grpc": []}
     progress("warm-up round")
     grpc_rate(client)  # adapters fetched and resident
     in_process_rate(engine)
@@ -142,18 +90,12 @@ def measure(
         progress(f"round {i + 1}/{repeats}")
         results["in-process"].append(in_process_rate(engine))
         results["grpc"].append(grpc_rate(client))
-        cold, resident = cold_and_resident_ttft(client, folders[ADAPTERS + i], i)
-        results["cold"].append(cold)
-        results["resident"].append(resident)
     return results
 
 
 def summary(results: dict[str, list[float]], repeats: int) -> dict:
     """Medians, and the medians of per-round ratios (each round times both sides back to back)."""
-    ratios = {
-        "grpc": [g / p for g, p in zip(results["grpc"], results["in-process"], strict=True)],
-        "cold": [c / r for c, r in zip(results["cold"], results["resident"], strict=True)],
-    }
+    ratios = {"grpc": [g / p for g, p in zip(results["grpc"], results["in-process"], strict=True)]}
     median = {name: statistics.median(values) for name, values in results.items()}
     table = [
         {
@@ -163,20 +105,13 @@ def summary(results: dict[str, list[float]], repeats: int) -> dict:
             "baseline value": round(median["in-process"], 1),
             "ratio": round(statistics.median(ratios["grpc"]), 3),
         },
-        {
-            "case": "TTFT, cold adapter (fetch, load, activate), ms",
-            "value": round(median["cold"] * 1e3, 1),
-            "baseline": "TTFT, resident adapter, ms",
-            "baseline value": round(median["resident"] * 1e3, 1),
-            "ratio": round(statistics.median(ratios["cold"]), 2),
-        },
     ]
     return {
         "setup": (
             f"default model, {STREAMS} streams x ({PROMPT} prompt + {TOKENS} new tokens), greedy, "
             f"{ADAPTERS} distinct rank-{RANK} adapters, through a store and a worker process on the same "
-            f"machine; TTFT of a {PROMPT}-token prompt, 1 new token; medians of {repeats} rounds, each "
-            f"timing both sides back to back, after a warm-up round"
+            f"machine; medians of {repeats} rounds, each timing both sides back to back, after a "
+            "warm-up round"
         ),
         "table": table,
         "values": results,

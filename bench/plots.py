@@ -52,12 +52,82 @@ def adapter_loading(result: dict, path: Path) -> None:
 
 def grpc_overhead(result: dict, path: Path) -> None:
     values = result["values"]
-    fig = Figure(figsize=(9, 3.6))
-    left, right = fig.subplots(1, 2)
+    fig = Figure(figsize=(4.8, 3.6))
+    ax = fig.add_subplot()
     rates = {"in process": values["in-process"], "gRPC (SDK)": values["grpc"]}
     ratio = statistics.median(result["ratios"]["grpc"])
-    bars_with_rounds(left, rates, "tok/s", f"32 concurrent streams: gRPC / in process {ratio:.2f}")
-    ttft = {"resident": [s * 1e3 for s in values["resident"]], "cold": [s * 1e3 for s in values["cold"]]}
-    ratio = statistics.median(result["ratios"]["cold"])
-    bars_with_rounds(right, ttft, "ms", f"time to first token: cold / resident {ratio:.2f}")
+    bars_with_rounds(ax, rates, "tok/s", f"32 concurrent streams: gRPC / in process {ratio:.2f}")
+    save(fig, path)
+
+
+def cold_starts(result: dict, path: Path) -> None:
+    values, ratios = result["values"], result["ratios"]
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    ttft = {case: [s * 1e3 for s in values[case]["ttft p50"]] for case in ("resident", "cold")}
+    ratio = statistics.median(ratios["ttft p50"])
+    bars_with_rounds(left, ttft, "ms", f"probe TTFT p50: cold / resident {ratio:.2f}")
+    itl = {
+        f"{q}, {'no load' if case == 'resident' else 'loading'}": [s * 1e3 for s in values[case][f"itl {q}"]]
+        for q in ("p50", "p99")
+        for case in ("resident", "cold")
+    }
+    p99 = statistics.median(ratios["itl p99"])
+    bars_with_rounds(right, itl, "ms", f"resident streams' ITL while cold adapters load (p99 {p99:.2f}x)")
+    save(fig, path)
+
+
+def scaling(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(10, 3.8))
+    left, right = fig.subplots(1, 2)
+    for (name, curves), color in zip(result["values"].items(), ("tab:blue", "tab:orange"), strict=False):
+        label = result["models"][name]
+        for case, style in (("base", "-"), ("lora", "--")):
+            points = {int(c): statistics.median(v) for c, v in curves["concurrency"][case].items()}
+            left.plot(
+                list(points), list(points.values()), style, marker="o", color=color, label=f"{label}, {case}"
+            )
+        ranks = curves["rank"]
+        ratios = {
+            int(r): statistics.median(a / b for a, b in zip(v, ranks["0"], strict=True))
+            for r, v in ranks.items()
+        }
+        ratios.pop(0)
+        right.plot(list(ratios), list(ratios.values()), marker="o", color=color, label=label)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("concurrent requests (LoRA: 8 distinct rank-16 adapters)")
+    left.set_ylabel("decode tok/s")
+    left.legend(fontsize=7)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("adapter rank (32 requests, 8 distinct adapters)")
+    right.set_ylabel("decode tok/s, ratio to base")
+    right.set_ylim(0, 1.1)
+    right.legend(fontsize=7)
+    save(fig, path)
+
+
+def many_adapters(result: dict, path: Path) -> None:
+    rounds = result["rounds"]
+    zipf = next(iter(rounds))  # the Zipf case comes first, then the hot one
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    rates = {case: [r["tok/s"] for r in values] for case, values in rounds.items()}
+    ratio = statistics.median(result["ratio_to_hot"])
+    bars_with_rounds(left, rates, "generated tok/s", f"saturated engine, 8 slots: Zipf / hot {ratio:.2f}")
+    shares = {
+        "hit rate\n(engine counter)": [r["hit rate"] for r in rounds[zipf]],
+        "requests whose\nadapter was held": [r["requests held"] for r in rounds[zipf]],
+    }
+    bars_with_rounds(right, shares, "share of checks / of requests", f"host tier, {zipf}")
+    right.set_ylim(0, 1.05)
+    save(fig, path)
+
+
+def hf_peft(result: dict, path: Path) -> None:
+    values = result["values"]
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
+    rates = {"loramux": values["loramux"], "HF + PEFT\n(adapter_names=)": values["hf_peft"]}
+    ratio = statistics.median(result["ratios"])
+    bars_with_rounds(ax, rates, "useful tok/s", f"32 mixed-adapter requests: loramux / HF + PEFT {ratio:.2f}")
     save(fig, path)

@@ -2,7 +2,7 @@
 and writes bench/results/<name>.json (figures, every round's numbers, the command, the machine,
 a UTC timestamp), bench/results/<name>.png and bench/results/REPORT.md.
 
-    .venv/bin/python -m bench.suite [--only NAME ...] [--repeats 5] [--results bench/results]
+    .venv/bin/python -m bench.suite [--only NAME ...] [--repeats N] [--results bench/results]
 """
 
 import argparse
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_overhead, grpc_serving, plots, slot_activation, store_register
+from bench import cold_starts, engine_overhead, grpc_serving, plots, scaling, slot_activation, store_register
 from bench.report import write_atomic, write_report
 from inference_service.default_model import prepare_default_model
 
@@ -54,12 +54,15 @@ class Benchmark:
     title: str
     run: Callable[[Path, int, Progress], dict]  # (model dir, rounds, progress) -> result
     plot: Callable[[dict, Path], None]
+    repeats: int  # timed rounds unless --repeats says otherwise; together under 15 min on 2 cores
 
 
 BENCHMARKS = (
-    Benchmark("lora_overhead", "LoRA overhead", lora_overhead, plots.lora_overhead),
-    Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading),
-    Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead),
+    Benchmark("lora_overhead", "LoRA overhead", lora_overhead, plots.lora_overhead, 5),
+    Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead, 3),
+    Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading, 5),
+    Benchmark("cold_starts", "Cold starts", cold_starts.cold_starts, plots.cold_starts, 3),
+    Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 2),
 )
 
 
@@ -111,12 +114,13 @@ def progress_printer(index: int, total: int, name: str, started: float) -> Progr
 def run_one(bench: Benchmark, model_dir: Path, args, progress: Progress, argv: list[str]) -> dict:
     start = time.perf_counter()
     utc = datetime.now(UTC).isoformat(timespec="seconds")
-    result = bench.run(model_dir, args.repeats, progress)
+    repeats = args.repeats or bench.repeats
+    result = bench.run(model_dir, repeats, progress)
     return {
         "benchmark": bench.name,
         "title": bench.title,
         "command": command(argv),
-        "rerun": command(["--only", bench.name, "--repeats", str(args.repeats)]),
+        "rerun": command(["--only", bench.name, "--repeats", str(repeats)]),
         "machine": machine(),
         "utc": utc,
         "wall_s": round(time.perf_counter() - start, 1),
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", nargs="+", choices=names, default=names, metavar="NAME", help=str(names))
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per benchmark")
+    parser.add_argument("--repeats", type=int, help="timed rounds of every benchmark (default: its own)")
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     chosen = [b for b in BENCHMARKS if b.name in args.only]

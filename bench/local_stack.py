@@ -1,0 +1,70 @@
+"""A real adapter store and inference worker, each its own process on a loopback port, for the
+benchmarks that measure what a client of the service sees."""
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import loramux
+
+
+def start(module: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m module --listen 127.0.0.1:0 ...`; returns the process and the address it
+    printed on its first line."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "--listen", "127.0.0.1:0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    first = process.stdout.readline().split()
+    if not first:
+        raise RuntimeError(f"{module} exited with {process.wait()} before listening")
+    return process, first[-1]
+
+
+def wait_ready(address: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="readiness")
+        while health.Check(request).status != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker at {address} not ready after {timeout_s} s")
+            time.sleep(0.2)
+
+
+@contextmanager
+def local_stack(
+    model_dir: Path, allowed_root: Path, work_dir: Path, *worker_flags: str
+) -> Iterator[loramux.Client]:
+    """A store serving file:// adapters under `allowed_root` and a worker following it; yields an
+    SDK client for both, its worker channel already open. Both processes stop on exit."""
+    store, store_address = start(
+        "adapter_store", "--data-dir", str(work_dir / "store"), "--allowed-root", str(allowed_root)
+    )
+    try:
+        worker, address = start(
+            "inference_service",
+            *("--store", store_address, "--model", str(model_dir), *worker_flags),
+            env={"LORAMUX_CACHE": str(work_dir / "worker")},
+        )
+        try:
+            wait_ready(address)
+            with loramux.Client(worker=address, store=store_address) as client:
+                client.model_info()  # opens the worker's channel before many threads share it
+                yield client
+        finally:
+            worker.terminate()
+            worker.wait()
+    finally:
+        store.terminate()
+        store.wait()
