@@ -4,7 +4,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from shared import adapter_blob
@@ -15,7 +15,7 @@ class AdapterLoader(Protocol):
     """Where adapters come from: local PEFT folders (LocalAdapterLoader) or the adapter store
     (StoreAdapterLoader)."""
 
-    def load(self, name: str) -> AdapterWeights:
+    def load(self, name: str) -> "ReadyAdapter":
         """Blocking; runs on a loader thread. Raises a LoramuxError naming the cause."""
 
     def __contains__(self, name: str) -> bool:
@@ -33,6 +33,8 @@ class ReadyAdapter:
 
     @classmethod
     def of(cls, name: str, weights: AdapterWeights) -> "ReadyAdapter":
+        """Digest computed here, from the wire encoding; a loader that already knows the
+        blob's digest (the store's) builds ReadyAdapter directly and saves the encode."""
         return cls(name, adapter_blob.digest(adapter_blob.encode(weights)), weights)
 
 
@@ -131,8 +133,9 @@ class HostTier:
 
     def _load(self, name: str) -> tuple[ReadyAdapter, float]:
         start = time.perf_counter()
-        weights = self._loader.load(name)
-        ready = ReadyAdapter.of(name, weights.pin_memory() if self._pin_memory else weights)
+        ready = self._loader.load(name)
+        if self._pin_memory:
+            ready = replace(ready, weights=ready.weights.pin_memory())
         return ready, time.perf_counter() - start
 
     def _evict(self) -> None:

@@ -4,9 +4,10 @@ from pathlib import Path
 
 import torch
 
+from inference_service.host_tier import ReadyAdapter
 from shared.errors import NotFound
 from shared.model_config import ModelConfig
-from shared.peft_checkpoint import AdapterWeights, load_peft_adapter
+from shared.peft_checkpoint import load_peft_adapter
 
 
 class LocalAdapterLoader:
@@ -23,8 +24,9 @@ class LocalAdapterLoader:
     def __contains__(self, name: str) -> bool:
         return name in self._folders
 
-    def load(self, name: str) -> AdapterWeights:
+    def load(self, name: str) -> ReadyAdapter:
         folder = self._folders.get(name)
         if folder is None:
             raise NotFound(f"adapter {name!r} is not registered")
-        return load_peft_adapter(name, folder, self._model, self._max_rank, self._dtype)
+        weights = load_peft_adapter(name, folder, self._model, self._max_rank, self._dtype)
+        return ReadyAdapter.of(name, weights)

@@ -9,12 +9,12 @@ from pathlib import Path
 import grpc
 import torch
 
+from inference_service.host_tier import ReadyAdapter
 from shared import adapter_blob
 from shared.errors import InvalidArgument, LoramuxError, NotFound, Unavailable
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
-from shared.peft_checkpoint import AdapterWeights
 
 FETCH_TIMEOUT_S = 120.0
 
@@ -59,7 +59,7 @@ class StoreAdapterLoader:
         with self._lock:
             return self._digests.get(name)
 
-    def load(self, name: str) -> AdapterWeights:
+    def load(self, name: str) -> ReadyAdapter:
         digest = self.digest_of(name)
         path = self._cache / digest.replace(":", "-") if digest else None
         if path is None or not path.is_file():
@@ -72,7 +72,8 @@ class StoreAdapterLoader:
                 f"{self._max_rank}"
             )
         weights.check_fits(name, self._model)
-        return weights.to(self._dtype)
+        # The store's digest names the registered content, whatever dtype this worker serves in.
+        return ReadyAdapter(name, digest, weights.to(self._dtype))
 
     def _fetch(self, name: str) -> tuple[str, Path]:
         """Stream the blob into the cache, resuming a partial file, verify it, then rename."""
