@@ -19,7 +19,16 @@ from pathlib import Path
 
 import torch
 
-from bench import cold_starts, engine_overhead, grpc_serving, plots, scaling, slot_activation, store_register
+from bench import (
+    cold_starts,
+    engine_overhead,
+    grpc_serving,
+    hf_peft,
+    plots,
+    scaling,
+    slot_activation,
+    store_register,
+)
 from bench.report import write_atomic, write_report
 from inference_service.default_model import prepare_default_model
 
@@ -58,7 +67,8 @@ class Benchmark:
 
 
 BENCHMARKS = (
-    Benchmark("lora_overhead", "LoRA overhead", lora_overhead, plots.lora_overhead, 5),
+    Benchmark("lora_overhead", "LoRA overhead", lora_overhead, plots.lora_overhead, 3),
+    Benchmark("hf_peft", "Against HF transformers + PEFT", hf_peft.hf_peft_vs_loramux, plots.hf_peft, 3),
     Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead, 3),
     Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading, 5),
     Benchmark("cold_starts", "Cold starts", cold_starts.cold_starts, plots.cold_starts, 3),

@@ -1,0 +1,60 @@
+"""Where a decode step's time goes: torch.profiler over decode steps of 32 requests on the default
+model, without adapters and with N distinct rank-16 all-linear adapters, printing the ops by self
+CPU time. This is the profile behind the LoRA overhead figure.
+
+    .venv/bin/python -m bench.profile_decode [--adapters 8] [--steps 8] [--rows 15]
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.engine_overhead import REQUESTS, engines_with_adapters
+from inference_service.default_model import prepare_default_model
+from inference_service.engine import Engine, Request
+from inference_service.sampling import SamplingParams
+
+PROMPT = 32
+
+
+def decode_profile(engine: Engine, adapters: list[str | None], steps: int) -> profile:
+    """Profiles `steps` decode steps, taken once every request has its first token."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for i, adapter in enumerate(adapters):
+        engine.submit(Request([100 + i] * PROMPT, adapter, params), lambda delta: None)
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()
+    engine.step()  # the first decode step, out of the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_work:
+        engine.step()
+    return prof
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=15)
+    args = parser.parse_args()
+    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    counts = (0, args.adapters)
+    engines = engines_with_adapters(model_dir, counts, REQUESTS * (PROMPT + args.steps + 16), print)
+    with torch.inference_mode():
+        for n in counts:
+            adapters = [f"r16-{i % n}" if n else None for i in range(REQUESTS)]
+            decode_profile(engines[n], adapters, 2)  # warm-up
+            prof = decode_profile(engines[n], adapters, args.steps)
+            print(f"\n{n} adapters, {REQUESTS} requests, {args.steps} decode steps:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
