@@ -147,13 +147,15 @@ def test_a_bfloat16_worker_reports_the_stores_digest(tmp_path, long_model, store
     """Digests name registered content: a bfloat16 worker holding a float32 blob shows the store's
     digest, so following the store does not mistake it for stale content."""
     worker = WorkerProcess(long_model, store.address, tmp_path / "cache", "--dtype", "bfloat16").start()
-    with grpc.insecure_channel(worker.address) as channel:
-        stub = inference_grpc.InferenceServiceStub(channel)
-        _tokens(stub, _request("qv4", [5, 6], 3))
-        held = {a.adapter_id: a.digest for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = inference_grpc.InferenceServiceStub(channel)
+            _tokens(stub, _request("qv4", [5, 6], 3))
+            held = {a.adapter_id: a.digest for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
+    finally:
+        worker.terminate()
+        assert worker.wait() == 0
     assert held["qv4"] == admin.GetAdapter(store_pb.GetAdapterRequest(adapter_id="qv4"), metadata=AUTH).digest
-    worker.terminate()
-    assert worker.wait() == 0
 
 
 def test_cancel_storm_frees_every_request_block_and_slot(generate, registered):
