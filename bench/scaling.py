@@ -110,7 +110,7 @@ def summary(models: dict[str, Path], measured: dict[str, dict], repeats: int) ->
             f"requests over {ADAPTERS} distinct all-linear adapters of that rank, each rank on its own "
             f"engine with max_lora_rank = rank, against the base model. Models: "
             + "; ".join(label(path) for path in models.values())
-            + f" (random weights, hidden 1536, 8 layers). Medians of {repeats} rounds after a "
+            + f" (random weights, hidden 1536, 8 layers). Medians of {repeats} timed round(s) after a "
             f"warm-up round; the engines of a model step in turn"
         ),
         "table": table,

@@ -72,7 +72,7 @@ BENCHMARKS = (
     Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead, 3),
     Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading, 5),
     Benchmark("cold_starts", "Cold starts", cold_starts.cold_starts, plots.cold_starts, 3),
-    Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 2),
+    Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 1),
 )
 
 
