@@ -24,6 +24,7 @@ from bench import (
     engine_overhead,
     grpc_serving,
     hf_peft,
+    many_adapters,
     plots,
     scaling,
     slot_activation,
@@ -72,6 +73,7 @@ BENCHMARKS = (
     Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead, 3),
     Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading, 5),
     Benchmark("cold_starts", "Cold starts", cold_starts.cold_starts, plots.cold_starts, 3),
+    Benchmark("many_adapters", "Many adapters", many_adapters.many_adapters, plots.many_adapters, 2),
     Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 1),
 )
 

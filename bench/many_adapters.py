@@ -1,0 +1,255 @@
+"""Many adapters: generated tokens/s of a saturated engine whose requests name 1,000 registered
+adapters with Zipf(1.0) popularity, against the same requests over 8 hot adapters, on the default
+model; with the host tier's hit rate, the adapter loads and the slot activations of each run.
+
+Every adapter is registered by name -> folder only; the host tier loads (validates, optimizes)
+one from disk in the background when a request first names it, and keeps the 64 most recently
+used. Both cases run on engines built once; the timed rounds see the host tier warm from the
+rounds before them (a server's steady state), the dropped warm-up round sees it cold.
+
+    LORAMUX_CACHE=.cache .venv/bin/python -m bench.many_adapters [--repeats 2]
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.random_adapter import write_random_adapter
+from bench.report import markdown_table
+from inference_service.default_model import prepare_default_model
+from inference_service.engine import Delta, Engine, EngineConfig, Request
+from inference_service.sampling import SamplingParams
+from shared.model_config import ModelConfig
+
+ADAPTERS, HOT, ZIPF_S = 1000, 8, 1.0
+RANK, TARGETS = 8, ("q_proj", "v_proj")
+REQUESTS, PROMPT, MIN_NEW, MAX_NEW = 56, 16, 16, 32
+MAX_LORAS, MAX_CPU_LORAS, MAX_NUM_SEQS = 8, 64, 32
+ZIPF, HOT_CASE = f"{ADAPTERS:,} adapters, Zipf({ZIPF_S})", f"{HOT} hot adapters"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One round's requests; both cases send the same prompts and lengths."""
+
+    prompts: list[list[int]]
+    new_tokens: list[int]
+    adapters: dict[str, list[str]]  # case -> adapter of each request
+
+
+def zipf_draws(count: int, n: int, s: float, seed: int) -> list[int]:
+    """`count` indices in [0, n), index k drawn with probability proportional to 1 / (k + 1)^s."""
+    weights = 1 / np.arange(1, n + 1) ** s
+    return np.random.default_rng(seed).choice(n, size=count, p=weights / weights.sum()).tolist()
+
+
+def workload(seed: int, vocab_size: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, vocab_size, size=(REQUESTS, PROMPT)).tolist()
+    new_tokens = rng.integers(MIN_NEW, MAX_NEW + 1, size=REQUESTS).tolist()
+    popular = zipf_draws(REQUESTS, ADAPTERS, ZIPF_S, seed)
+    adapters = {ZIPF: [f"a{i}" for i in popular], HOT_CASE: [f"a{i % HOT}" for i in range(REQUESTS)]}
+    return Workload(prompts, new_tokens, adapters)
+
+
+def write_adapters(model: ModelConfig, root: Path, progress: Callable[[str], None]) -> list[Path]:
+    """ADAPTERS random adapters a0 .. a999, each of distinct content (its own seed)."""
+    start = time.perf_counter()
+    folders = [write_random_adapter(model, root / f"a{i}", RANK, i, TARGETS) for i in range(ADAPTERS)]
+    megabytes = sum(f.stat().st_size for d in folders for f in d.iterdir()) / 1e6
+    progress(f"wrote {ADAPTERS} adapters ({megabytes:.0f} MB) in {time.perf_counter() - start:.1f} s")
+    return folders
+
+
+def engine_with(model_dir: Path, folders: list[Path]) -> Engine:
+    """An engine on which every folder is registered by name only: nothing is read until a
+    request names the adapter and the host tier loads it in the background."""
+    config = EngineConfig(
+        model=str(model_dir),
+        max_loras=MAX_LORAS,
+        max_lora_rank=RANK,
+        max_cpu_loras=MAX_CPU_LORAS,
+        max_num_seqs=MAX_NUM_SEQS,
+        kv_cache_tokens=MAX_NUM_SEQS * (PROMPT + MAX_NEW + 16),
+    )
+    engine = Engine(config)
+    for folder in folders:
+        engine.loader.register(folder.name, folder)
+    return engine
+
+
+def counters(engine: Engine) -> dict[str, float]:
+    stats = engine.stats()
+    return {
+        "tokens": stats["generation_tokens"],
+        "hits": stats["host_tier"]["hits"],
+        "misses": stats["host_tier"]["misses"],
+        "host evictions": stats["host_tier"]["evictions"],
+        "activations": stats["slots"]["activations"],
+        "load seconds": engine.metrics.adapter_load_seconds.total,
+    }
+
+
+def run(engine: Engine, adapters: list[str], load: Workload) -> dict[str, float]:
+    """Submit every request at once and step the engine until all have finished."""
+    held = set(engine.held_digests())  # adapter names ready in the host tier
+    before = counters(engine)
+    emitted: list[str] = []  # the adapter of each request that got a token in the current step
+    for adapter, prompt, n in zip(adapters, load.prompts, load.new_tokens, strict=True):
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        engine.submit(Request(prompt, adapter, params), recorder(emitted, adapter))
+    batches, distinct, idle = [], [], 0.0
+    start = time.perf_counter()
+    while engine.has_work:
+        step_start = time.perf_counter()
+        engine.step()
+        if emitted:  # a prompt fits one step, so every request that ran got a token
+            batches.append(len(emitted))
+            distinct.append(len(set(emitted)))
+        else:  # nothing ran: every waiting request waits for a load
+            idle += time.perf_counter() - step_start
+        emitted.clear()
+    seconds = time.perf_counter() - start
+    delta = {key: value - before[key] for key, value in counters(engine).items()}
+    return {
+        "tok/s": delta["tokens"] / seconds,
+        "seconds": seconds,
+        "hit rate": delta["hits"] / (delta["hits"] + delta["misses"]),
+        "requests held": sum(a in held for a in adapters) / len(adapters),
+        "loads": delta["misses"],  # every miss starts one load
+        "reloads": delta["misses"] - len(set(adapters) - held),
+        "distinct adapters": len(set(adapters)),
+        "activations": delta["activations"],
+        "host evictions": delta["host evictions"],
+        "load ms": 1e3 * delta["load seconds"] / max(delta["misses"], 1),
+        "running per step": statistics.mean(batches),
+        "adapters per step": statistics.mean(distinct),
+        "idle s": idle,
+    }
+
+
+def recorder(emitted: list[str], adapter: str) -> Callable[[Delta], None]:
+    return lambda delta: emitted.append(adapter) if delta.token_ids else None
+
+
+def many_adapters(
+    model_dir: Path, repeats: int = 2, progress: Callable[[str], None] = lambda line: None
+) -> dict:
+    """Both cases once per round, each round starting at the other case, after a dropped warm-up
+    round of the same requests cut to 1 new token (the hot engine loads its 8 adapters then, the
+    Zipf engine's host tier starts filling)."""
+    model = ModelConfig.from_dir(model_dir)
+    rounds: dict[str, list[dict[str, float]]] = {ZIPF: [], HOT_CASE: []}
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        folders = write_adapters(model, Path(tmp), progress)
+        engines = {ZIPF: engine_with(model_dir, folders), HOT_CASE: engine_with(model_dir, folders[:HOT])}
+        for repeat in range(repeats + 1):
+            load = workload(repeat, model.vocab_size)
+            load = load if repeat else replace(load, new_tokens=[1] * REQUESTS)
+            order = [ZIPF, HOT_CASE] if repeat % 2 == 0 else [HOT_CASE, ZIPF]
+            for case in order:
+                result = run(engines[case], load.adapters[case], load)
+                progress(f"{'round ' + str(repeat) if repeat else 'warm-up'}, {case}: {brief(result)}")
+                if repeat:
+                    rounds[case].append(result)
+        for engine in engines.values():
+            engine.stop()
+    return summary(rounds, repeats)
+
+
+def brief(result: dict[str, float]) -> str:
+    return (
+        f"{result['tok/s']:.1f} tok/s in {result['seconds']:.1f} s, hit rate {result['hit rate']:.3f}, "
+        f"{result['loads']} loads ({result['reloads']} repeated, {result['load ms']:.0f} ms each), "
+        f"{result['activations']} activations, "
+        f"{result['running per step']:.1f} running over {result['adapters per step']:.1f} adapters "
+        f"per step, {result['idle s']:.2f} s idle"
+    )
+
+
+def summary(rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict:
+    """Medians over rounds; the Zipf case's ratio to hot is the median of per-round ratios."""
+    ratios = [z["tok/s"] / h["tok/s"] for z, h in zip(rounds[ZIPF], rounds[HOT_CASE], strict=True)]
+
+    def median(case: str, key: str, digits: int = 1) -> float:
+        return round(statistics.median(r[key] for r in rounds[case]), digits)
+
+    table = [
+        {
+            "case": case,
+            "tok/s": median(case, "tok/s"),
+            "ratio to hot": round(statistics.median(ratios), 3) if case == ZIPF else 1.0,
+            "host-tier hit rate": median(case, "hit rate", 3),
+            "requests whose adapter was held": median(case, "requests held", 3),
+            "distinct adapters": median(case, "distinct adapters"),
+            "adapter loads": median(case, "loads"),
+            "repeated loads": median(case, "reloads"),
+            "ms / load": median(case, "load ms"),
+            "slot activations": median(case, "activations"),
+            "running / step": median(case, "running per step"),
+            "adapters / step": median(case, "adapters per step"),
+            "idle s": median(case, "idle s", 2),
+        }
+        for case in rounds
+    ]
+    return {
+        "setup": setup(repeats),
+        "table": table,
+        "rounds": rounds,
+        "ratio_to_hot": ratios,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def setup(repeats: int) -> str:
+    return (
+        f"Default model on the CPU, float32. {ADAPTERS:,} random PEFT adapters of distinct content, "
+        f"rank {RANK} on {' and '.join(TARGETS)} of every layer (1.9 MB of fp32 safetensors each), "
+        f"written to a temporary folder (so read from the page cache) and registered by name and "
+        f"folder only: the host tier loads one (read, validate, optimize) on its 2 background threads "
+        f"when a request first names it. Engine: max_loras={MAX_LORAS} device slots, "
+        f"max_cpu_loras={MAX_CPU_LORAS} adapters in the host tier, max_num_seqs={MAX_NUM_SEQS}. "
+        f"A round is {REQUESTS} requests, each a {PROMPT}-token random prompt and {MIN_NEW}..{MAX_NEW} "
+        f"new tokens (greedy, EOS ignored), all submitted at once: a saturated server, whose "
+        f"throughput is its capacity, with a queue deeper than max_num_seqs, which is what lets the "
+        f"scheduler fill a step with requests whose adapters hold slots. The Zipf case draws each "
+        f"request's adapter with p(k) proportional to 1/k over the {ADAPTERS:,}; the hot case sends "
+        f"the same prompts and lengths to the {HOT} most popular adapters in turn. tok/s is generated "
+        f"tokens over the wall time from the first submit to the last token, background loads "
+        f"included. The host-tier hit rate is the engine's counter, hits / (hits + misses), which "
+        f"counts every admission check (a request waiting for a slot counts a hit at each step it "
+        f"waits); 'requests whose adapter was held' is the share of requests whose adapter was ready "
+        f"in the host tier when the round began. Repeated loads are loads beyond one per adapter that "
+        f"was not held; ms / load is a load's mean time on its thread. Running / step and "
+        f"adapters / step count the requests that got a token in a step and their distinct "
+        f"adapters, averaged over steps; idle s is the time of steps in which nothing could run. "
+        f"Each case has its own engine, built once: a dropped warm-up round (the same requests cut "
+        f"to 1 new token) loads the hot adapters and starts filling the Zipf host tier, and each "
+        f"timed round (new Zipf draws) finds the host tier as the rounds before left "
+        f"it, a running server's steady state. Medians of {repeats} rounds, each running both cases "
+        f"back to back, the first case alternating."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    result = many_adapters(model_dir, args.repeats, print)
+    print(result["setup"] + f" torch threads {result['torch_threads']}.")
+    print(markdown_table(result["table"]))
+
+
+if __name__ == "__main__":
+    main()
