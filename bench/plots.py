@@ -38,11 +38,12 @@ def lora_overhead(result: dict, path: Path) -> None:
 
 
 def adapter_loading(result: dict, path: Path) -> None:
-    registration = result["registration"]["register_over_read"]
+    names = {"disk": "register, disk", "S3": "register, S3", "fetch": "fetch to worker"}
+    registration = {names[k]: v for k, v in result["registration"]["register_over_read"].items()}
     activation = {name: [s * 1e3 for s in values] for name, values in result["activation"]["seconds"].items()}
     fig = Figure(figsize=(9, 3.6))
     left, right = fig.subplots(1, 2)
-    bars_with_rounds(left, registration, "register time / read time", "registration vs raw read")
+    bars_with_rounds(left, registration, "time / raw read of the bytes", "register and fetch vs raw read")
     right.boxplot(list(activation.values()), tick_labels=list(activation), whis=(1, 99))
     right.set_ylim(bottom=0)
     right.set_ylabel("ms")

@@ -1,6 +1,8 @@
-"""Adapter registration against reading the same bytes: a rank-16 all-linear adapter of the
-default model, registered through a real store process from disk and from S3 (moto's server on
-loopback), beside a plain read of its files from each. Medians of several runs, interleaved.
+"""Adapter registration and fetch against reading the same bytes: a rank-16 all-linear adapter
+of the default model, registered through a real store process from disk and from S3 (moto's
+server on loopback), beside a plain read of its files from each; and fetched from the store as a
+worker does (StoreAdapterLoader: stream, digest check, decode), beside a plain read of the
+store's blob file. Medians of several runs, interleaved.
 
     .venv/bin/python -m bench.store_register [--repeats 5]
 """
@@ -18,10 +20,12 @@ from pathlib import Path
 
 import boto3
 import grpc
+import torch
 from moto.server import ThreadedMotoServer
 
 from bench.random_adapter import write_random_adapter
 from inference_service.default_model import prepare_default_model
+from inference_service.store_loader import StoreAdapterLoader
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
@@ -76,6 +80,7 @@ def register_vs_read(
         try:
             with grpc.insecure_channel(address) as channel:
                 times = run(pb_grpc.AdapterStoreStub(channel), s3, folder, files, repeats, progress)
+                times |= fetch(channel, Path(tmp), model_dir, repeats, progress)
         finally:
             process.terminate()
             process.wait()
@@ -107,6 +112,27 @@ def run(
     return times
 
 
+def fetch(
+    channel: grpc.Channel, tmp: Path, model_dir: Path, repeats: int, progress: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """A worker's fetch of the registered adapter a0 into an empty cache (stream, verify, decode),
+    and a plain read of the store's blob file, back to back per round."""
+    blob = next(p for p in (tmp / "data" / "blobs").rglob("*") if p.is_file())
+    model = ModelConfig.from_dir(model_dir)
+
+    def worker_fetch(i: int) -> None:
+        StoreAdapterLoader(channel, tmp / f"worker-{i}", model, RANK, torch.float32).load("a0")
+
+    times: dict[str, list[float]] = {"fetch store -> worker": [], "read the store's blob": []}
+    for i in range(repeats + 1):
+        progress(f"fetch round {i}/{repeats}" if i else "fetch warm-up round")
+        took = (timed(lambda: worker_fetch(i)), timed(blob.read_bytes))  # noqa: B023 - called at once
+        if i:
+            times["fetch store -> worker"].append(took[0])
+            times["read the store's blob"].append(took[1])
+    return times
+
+
 def summary(times: dict[str, list[float]], size: int, repeats: int) -> dict:
     """Medians, and per source the median of per-round register/read ratios (a round times
     both back to back)."""
@@ -118,6 +144,9 @@ def summary(times: dict[str, list[float]], size: int, repeats: int) -> dict:
         ]
         for source in ("disk", "S3")
     }
+    ratios["fetch"] = [
+        f / r for f, r in zip(times["fetch store -> worker"], times["read the store's blob"], strict=True)
+    ]
     table = [
         {
             "case": f"register from {source}, median",
@@ -128,12 +157,23 @@ def summary(times: dict[str, list[float]], size: int, repeats: int) -> dict:
         }
         for source in ("disk", "S3")
     ]
+    table.append(
+        {
+            "case": "fetch store -> worker (stream, verify, decode), median",
+            "ms": round(median["fetch store -> worker"] * 1e3, 1),
+            "baseline": "read of the store's blob file, median",
+            "baseline ms": round(median["read the store's blob"] * 1e3, 1),
+            "ratio": round(statistics.median(ratios["fetch"]), 2),
+        }
+    )
     return {
         "setup": (
             f"a rank-{RANK} all-linear adapter of the default model ({size / 1e6:.1f} MB of safetensors) "
             f"registered through a real store process (validate, optimize, write content-addressed) "
-            f"beside a plain read of the same files; S3 is moto's server on loopback; medians of "
-            f"{repeats} interleaved rounds after a dropped warm-up round"
+            f"beside a plain read of the same files; S3 is moto's server on loopback; a worker's fetch "
+            f"of the optimized blob into an empty cache (StoreAdapterLoader over gRPC: stream, sha256 "
+            f"check, decode) beside a plain read of the store's blob file; medians of {repeats} "
+            f"interleaved rounds after a dropped warm-up round"
         ),
         "table": table,
         "adapter_bytes": size,
