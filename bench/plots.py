@@ -69,12 +69,12 @@ def cold_starts(result: dict, path: Path) -> None:
     ratio = statistics.median(ratios["ttft p50"])
     bars_with_rounds(left, ttft, "ms", f"probe TTFT p50: cold / resident {ratio:.2f}")
     itl = {
-        f"{q}, {'no load' if case == 'resident' else 'loading'}": [s * 1e3 for s in values[case][f"itl {q}"]]
+        f"{q}\n{'no load' if case == 'resident' else 'loading'}": [s * 1e3 for s in values[case][f"itl {q}"]]
         for q in ("p50", "p99")
         for case in ("resident", "cold")
     }
     p99 = statistics.median(ratios["itl p99"])
-    bars_with_rounds(right, itl, "ms", f"resident streams' ITL while cold adapters load (p99 {p99:.2f}x)")
+    bars_with_rounds(right, itl, "ms", f"resident streams' ITL, cold adapters loading: p99 {p99:.2f}x")
     save(fig, path)
 
 
