@@ -11,7 +11,6 @@ name resident ones. Measured side by side, round by round:
 
 import argparse
 import itertools
-import os
 import statistics
 import tempfile
 import time
@@ -21,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import loramux
+from bench.cache import default_model_dir
 from bench.local_stack import local_stack
 from bench.random_adapter import write_random_adapter
-from inference_service.default_model import prepare_default_model
 from shared.model_config import ModelConfig
 
 STREAMS, HOT, PROBES, RANK = 8, 4, 8, 16
@@ -68,7 +67,7 @@ def run(client: loramux.Client, probe_adapters: list[str]) -> Run:
         for k, adapter in enumerate(probe_adapters):
             probes.append(pool.submit(probe, client, adapter, [50 + k] * PROMPT))
             time.sleep(PROBE_GAP_S)
-        times = [(sent, first) for sent, first in (p.result() for p in probes)]
+        times = [p.result() for p in probes]
         window = (times[0][0], max(first for _, first in times))
         gaps = [g for s in streams for g in gaps_within(s.result(), window)]
     if not gaps:
@@ -172,7 +171,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    model_dir = default_model_dir()
     result = cold_starts(model_dir, args.repeats, print)
     print(result["setup"])
     for row in result["table"]:

@@ -7,7 +7,6 @@ state; the ratio to base is the median over rounds.
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
-from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 
@@ -142,7 +141,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    model_dir = default_model_dir()
     result = lora_overhead(model_dir, args.adapters, args.repeats, args.prompt, args.tokens, print)
     print(result["setup"] + f"; torch threads {result['torch_threads']}")
     print("adapters  decode tok/s  ratio to base  (rounds)")

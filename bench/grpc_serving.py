@@ -7,7 +7,6 @@ Rounds time both sides back to back; medians are printed.
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -16,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import loramux
+from bench.cache import default_model_dir
 from bench.local_stack import local_stack
 from bench.random_adapter import write_random_adapter
-from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
@@ -125,7 +124,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    model_dir = default_model_dir()
     result = grpc_vs_in_process(model_dir, args.repeats)
     print(result["setup"])
     for row in result["table"]:

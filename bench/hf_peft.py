@@ -10,7 +10,6 @@ how many requests got identical greedy tokens from both sides.
 """
 
 import argparse
-import os
 import random
 import statistics
 import tempfile
@@ -22,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
-from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
@@ -223,7 +222,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    model_dir = default_model_dir()
     start = time.perf_counter()
     result = hf_peft_vs_loramux(model_dir, args.repeats, print)
     print(result["setup"] + f"; torch threads {result['torch_threads']}")

@@ -6,7 +6,6 @@ the engine's decode tokens/s with 8 rank-16 adapters against the base model. Nee
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from bench.cache import default_model_dir
 from bench.engine_overhead import decode_rate
 from bench.random_adapter import write_random_adapter
-from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, EngineConfig
 from kernels.lora_batch import LoraBatch
 from kernels.lora_expand import lora_expand_triton
@@ -61,7 +60,7 @@ def kernel_bandwidth(batch: int, adapters: int, rank: int, hidden: int, dtype: t
 
 
 def engine_overhead() -> tuple[float, float]:
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    model_dir = default_model_dir()
     config = EngineConfig(model=str(model_dir), device="cuda", max_loras=8, max_lora_rank=16, max_cpu_loras=8)
     engine = Engine(config)
     with tempfile.TemporaryDirectory() as tmp:

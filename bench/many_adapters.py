@@ -11,7 +11,6 @@ rounds before them (a server's steady state), the dropped warm-up round sees it 
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -22,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from bench.report import markdown_table
-from inference_service.default_model import prepare_default_model
 from inference_service.engine import Delta, Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
@@ -245,7 +244,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    model_dir = default_model_dir()
     result = many_adapters(model_dir, args.repeats, print)
     print(result["setup"] + f" torch threads {result['torch_threads']}.")
     print(markdown_table(result["table"]))

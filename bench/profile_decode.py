@@ -6,14 +6,12 @@ CPU time. This is the profile behind the LoRA overhead figure.
 """
 
 import argparse
-import os
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.cache import default_model_dir
 from bench.engine_overhead import REQUESTS, engines_with_adapters
-from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, Request
 from inference_service.sampling import SamplingParams
 
@@ -44,7 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rows", type=int, default=15)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    model_dir = default_model_dir()
     counts = (0, args.adapters)
     engines = engines_with_adapters(model_dir, counts, REQUESTS * (PROMPT + args.steps + 16), print)
     with torch.inference_mode():

@@ -23,14 +23,13 @@ LARGER_LLAMA = dict(
 )
 
 
-def larger_llama(cache_dir: Path) -> Path:
-    """LARGER_LLAMA under `cache_dir`/models, written first if absent."""
+def larger_llama(models_dir: Path) -> Path:
+    """LARGER_LLAMA in `models_dir`, written first if absent."""
     name = f"random-llama-h{LARGER_LLAMA['hidden_size']}-l{LARGER_LLAMA['num_hidden_layers']}"
-    target = cache_dir / "models" / name
+    target = models_dir / name
     if (target / "model.safetensors").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models_dir))
     try:
         write_random_llama(staging, **LARGER_LLAMA)
         staging.rename(target)  # readers see the whole folder or none of it

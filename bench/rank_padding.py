@@ -6,7 +6,6 @@ beside the same batch without adapters. All variants are timed interleaved in on
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from inference_service.config import EngineConfig
-from inference_service.default_model import prepare_default_model
 from inference_service.forward_batch import SequenceInput
 from inference_service.kv_cache import BlockAllocator
 from inference_service.model_runner import ModelRunner
@@ -58,7 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    model_dir = default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:
         runner = build_runner(model_dir, 8, [])
         adapter_dirs = [

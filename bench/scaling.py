@@ -10,7 +10,6 @@ ratios compare the same moments of the machine.
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -18,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from bench.cache import default_model_dir
 from bench.engine_overhead import decode_rates
 from bench.random_adapter import write_random_adapter
 from bench.random_model import larger_llama, parameters
-from inference_service.default_model import prepare_default_model
 from inference_service.engine import Engine, EngineConfig
 
 Progress = Callable[[str], None]
@@ -84,8 +83,8 @@ def curves(model_dir: Path, repeats: int, progress: Progress) -> dict:
 
 def scaling(model_dir: Path, repeats: int = 2, progress: Progress = lambda line: None) -> dict:
     models = {"default": model_dir}
-    progress("the larger random Llama (written once per cache)")
-    models["larger"] = larger_llama(model_dir.parent.parent)
+    progress("the larger random Llama (written once, beside the default model)")
+    models["larger"] = larger_llama(model_dir.parent)
     measured = {name: curves(path, repeats, progress) for name, path in models.items()}
     return summary(models, measured, repeats)
 
@@ -143,7 +142,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    model_dir = default_model_dir()
     result = scaling(model_dir, args.repeats, print)
     print(result["setup"])
     for r in result["table"]:

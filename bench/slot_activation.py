@@ -7,7 +7,6 @@ see the same machine state; p50 and p99 over many activations.
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from inference_service.config import EngineConfig
-from inference_service.default_model import prepare_default_model
 from inference_service.model_runner import ModelRunner
 from shared.peft_checkpoint import AdapterWeights, load_peft_adapter
 
@@ -94,7 +93,7 @@ def main() -> None:
     )
     parser.add_argument("--activations", type=int, default=50)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    model_dir = default_model_dir()
     result = slot_activation(model_dir, args.activations)
     print(result["setup"])
     for row in result["table"]:

@@ -9,13 +9,11 @@ store's blob file. Medians of several runs, interleaved.
 
 import argparse
 import logging
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import boto3
@@ -23,8 +21,9 @@ import grpc
 import torch
 from moto.server import ThreadedMotoServer
 
+from bench.cache import default_model_dir
+from bench.local_stack import start
 from bench.random_adapter import write_random_adapter
-from inference_service.default_model import prepare_default_model
 from inference_service.store_loader import StoreAdapterLoader
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
@@ -32,19 +31,6 @@ from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
 
 BUCKET, RANK = "bench", 16
 AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def start_store(data_dir: Path, root: Path, endpoint: str, model_dir: Path) -> tuple[subprocess.Popen, str]:
-    flags = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--allowed-root", str(root)]
-    flags += ["--s3-endpoint", endpoint, "--s3-allowed-bucket", BUCKET, "--base-model", str(model_dir)]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "adapter_store", *flags],
-        env={**os.environ, **AWS},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    return process, process.stdout.readline().split()[-1]
 
 
 def timed(fn) -> float:
@@ -76,7 +62,16 @@ def register_vs_read(
         for path in files:
             s3.upload_file(str(path), BUCKET, f"r16/{path.name}")
         size = sum(p.stat().st_size for p in files)
-        process, address = start_store(Path(tmp) / "data", root, endpoint, model_dir)
+        flags = [
+            "--data-dir",
+            str(Path(tmp) / "data"),
+            "--allowed-root",
+            str(root),
+            "--s3-endpoint",
+            endpoint,
+        ]
+        flags += ["--s3-allowed-bucket", BUCKET, "--base-model", str(model_dir)]
+        process, address = start("adapter_store", *flags, env=AWS)
         try:
             with grpc.insecure_channel(address) as channel:
                 times = run(pb_grpc.AdapterStoreStub(channel), s3, folder, files, repeats, progress)
@@ -126,7 +121,7 @@ def fetch(
     times: dict[str, list[float]] = {"fetch store -> worker": [], "read the store's blob": []}
     for i in range(repeats + 1):
         progress(f"fetch round {i}/{repeats}" if i else "fetch warm-up round")
-        took = (timed(lambda: worker_fetch(i)), timed(blob.read_bytes))  # noqa: B023 - called at once
+        took = (timed(partial(worker_fetch, i)), timed(blob.read_bytes))
         if i:
             times["fetch store -> worker"].append(took[0])
             times["read the store's blob"].append(took[1])
@@ -188,7 +183,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")))
+    model_dir = default_model_dir()
     result = register_vs_read(model_dir, args.repeats)
     print(result["setup"])
     for name, seconds in result["seconds"].items():

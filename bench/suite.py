@@ -30,8 +30,8 @@ from bench import (
     slot_activation,
     store_register,
 )
+from bench.cache import default_model_dir
 from bench.report import write_atomic, write_report
-from inference_service.default_model import prepare_default_model
 
 Progress = Callable[[str], None]
 ADAPTER_COUNTS = (0, 1, 8, 32)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(f"$ {command(argv)}", flush=True)
-    model_dir = prepare_default_model(Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve())
+    model_dir = default_model_dir()
     for index, bench in enumerate(chosen, 1):
         progress = progress_printer(index, len(chosen), bench.name, started)
         progress("start")
