@@ -13,14 +13,14 @@ class Admission:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.in_flight = 0
-        self._open = True
+        self._closed_because: str | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
     @contextmanager
     def enter(self):
-        if not self._open:
-            raise Unavailable("the worker is shutting down; retry on another worker")
+        if self._closed_because is not None:
+            raise Unavailable(self._closed_because)
         if self.in_flight >= self.capacity:
             raise ResourceExhausted(f"the worker holds {self.in_flight} requests, its limit; retry later")
         self.in_flight += 1
@@ -32,8 +32,9 @@ class Admission:
             if self.in_flight == 0:
                 self._idle.set()
 
-    def close(self) -> None:
-        self._open = False
+    def close(self, because: str = "the worker is shutting down; retry on another worker") -> None:
+        """Refuse every later call with UNAVAILABLE and this message."""
+        self._closed_because = because
 
     async def drained(self, timeout_s: float) -> bool:
         """Whether every admitted call finished within the timeout."""

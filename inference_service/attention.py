@@ -40,7 +40,9 @@ class AttentionMetadata:
     cache_slots: torch.Tensor  # [tokens] flat cache index (block * block_size + offset) to write it to
     prefills: tuple[PrefillAttention, ...]
     decode_tokens: torch.Tensor  # [decodes] rows of the flattened batch
-    decode_blocks: torch.Tensor  # [decodes, max_blocks] block tables, padded with block 0
+    # [decodes, max_blocks] block tables, each padded with its own first block: masked positions
+    # still enter SDPA's product (0 x NaN = NaN), so padding never reads another sequence's blocks
+    decode_blocks: torch.Tensor
     decode_mask: torch.Tensor  # [decodes, 1, 1, max_blocks * block_size] bool
 
     @classmethod
@@ -66,7 +68,8 @@ class AttentionMetadata:
             ),
             decode_tokens=_long([c.token_start for c in decodes], device),
             decode_blocks=_long(
-                [c.block_table + [0] * (width - len(c.block_table)) for c in decodes], device
+                [c.block_table + c.block_table[:1] * (width - len(c.block_table)) for c in decodes],
+                device,
             ),
             decode_mask=_decode_mask(decodes, width * block_size, sliding_window, device),
         )

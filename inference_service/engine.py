@@ -6,10 +6,18 @@ new ones), then samples, detokenizes and emits one Delta per request that made p
 `stream`, the asyncio API. Public methods are thread-safe. `submit` and `abort` never wait for a
 step (an event loop calls them): they post to an inbox the stepping thread applies at the start
 of the next step. Adapter changes and snapshots take the step lock.
+
+Faults: an adapter whose weights cannot be copied into a slot, or a request whose logits come
+out NaN or Inf, fails only its own requests. Any other exception ends the engine thread: every
+request in flight or waiting ends with Unavailable, new ones are refused, and the `on_fatal`
+callbacks run, so the process can exit for its supervisor to restart it. No stream waits on a
+dead engine.
 """
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import threading
 import uuid
 from collections import deque
@@ -32,11 +40,14 @@ from inference_service.scheduler import ScheduledChunk, Scheduler
 from inference_service.sequence import Sequence, Status
 from inference_service.slots import SlotPool
 from inference_service.tokenizer import Tokenizer
-from shared.errors import FailedPrecondition, InvalidArgument, LoramuxError, NotFound
+from shared.errors import FailedPrecondition, InvalidArgument, LoramuxError, NotFound, Unavailable
 from shared.names import check_adapter_id
 from shared.peft_checkpoint import load_peft_adapter
 
 __all__ = ["AdapterState", "Delta", "Engine", "EngineConfig", "Request", "RequestOutput"]
+
+log = logging.getLogger(__name__)
+CAUSE_CHARS = 300  # of an exception's text quoted to a client: enough to name it, never a dump
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,8 @@ class Engine:
         self._ids_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._fatal: Unavailable | None = None  # set once the engine thread died; refuses submits
+        self._on_fatal: list[Callable[[Unavailable], None]] = []
         self.metrics = EngineMetrics()
 
     # --- adapters -------------------------------------------------------------------------
@@ -207,11 +220,13 @@ class Engine:
             )
         if request.adapter is not None:
             self._require_adapter(request.adapter)
-        with self._ids_lock:
+        with self._ids_lock:  # a submit either lands before the engine dies or sees it dead
+            if self._fatal is not None:
+                raise self._fatal
             if request.request_id in self._in_flight:
                 raise InvalidArgument(f"request id {request.request_id!r} is already in flight")
             self._in_flight.add(request.request_id)
-        self._post(lambda: self._admit(_Tracked(seq, detokenizer, sink)))
+            self._post(lambda: self._admit(_Tracked(seq, detokenizer, sink)))
 
     def abort(self, request_id: str) -> None:
         """Finish the request at the next step: its KV blocks and slot reference are freed then."""
@@ -278,13 +293,42 @@ class Engine:
             self._thread = None
         self.host.close()
 
+    def on_fatal(self, callback: Callable[[Unavailable], None]) -> None:
+        """`callback(error)` runs once if the engine thread dies (at once if it already has)."""
+        with self._ids_lock:
+            self._on_fatal.append(callback)
+            dead = self._fatal
+        if dead is not None:
+            callback(dead)
+
     def _run(self) -> None:
-        while not self._stopping:
-            if self.has_work:
-                self.step()
-            else:
-                self._wakeup.wait()
-                self._wakeup.clear()  # has_work is checked again before sleeping
+        try:
+            while not self._stopping:
+                if self.has_work:
+                    self.step()
+                else:
+                    self._wakeup.wait()
+                    self._wakeup.clear()  # has_work is checked again before sleeping
+        except Exception as e:
+            log.exception("the engine failed; ending every request with UNAVAILABLE")
+            self._die(Unavailable(f"the worker's engine failed ({_brief(e)}); retry on another worker"))
+
+    def _die(self, error: Unavailable) -> None:
+        """Refuse new requests, then end every request already submitted with `error`."""
+        with self._ids_lock:
+            self._fatal = error
+            callbacks = list(self._on_fatal)  # a callback added from now on runs at once instead
+        with self._lock:
+            while self._inbox:
+                with contextlib.suppress(Exception):  # an abort may trip on the broken state; ended below
+                    self._inbox.popleft()()
+            for tracked in list(self._tracked.values()):
+                seq = tracked.seq
+                prompt, output = len(seq.prompt_token_ids), len(seq.output_token_ids)
+                tracked.sink(Delta(seq.request_id, [], "", [], "error", prompt, output, error))
+            self._tracked.clear()
+        for callback in callbacks:
+            callback(error)
 
     def stats(self) -> dict:
         """A snapshot of every counter and gauge, for export."""
@@ -336,13 +380,55 @@ class Engine:
         if not schedule.chunks:
             return False
         for slot, ready in schedule.activations:
-            self.runner.load_slot(slot, ready.weights)
-        chunks = sorted(schedule.chunks, key=lambda c: c.seq.slot)  # grouped by slot for LoRA
+            self._activate(slot, ready)
+        chunks = [c for c in schedule.chunks if c.seq.status is Status.RUNNING]
+        if not chunks:
+            return True
+        chunks.sort(key=lambda c: c.seq.slot)  # grouped by slot for LoRA
         logits = self.runner.forward([_input(c) for c in chunks])  # [chunks, vocab]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
+        chunks, logits = self._drop_non_finite(chunks, logits)
         self._sample_and_emit(chunks, logits)
         return True
+
+    def _activate(self, slot: int, ready: ReadyAdapter) -> None:
+        """Copy an adapter into its slot. Weights the slot cannot take fail only the requests for
+        that adapter; it leaves the slot and the host tier (a later request loads it anew)."""
+        try:
+            self.runner.load_slot(slot, ready.weights)
+        except Exception as e:
+            log.exception("adapter %r cannot be loaded into device slot %d", ready.name, slot)
+            error = FailedPrecondition(
+                f"adapter {ready.name!r} cannot be loaded into a device slot: {_brief(e)}"
+            )
+            for tracked in list(self._tracked.values()):
+                seq = tracked.seq
+                if seq.slot == slot or (seq.status is Status.WAITING and seq.adapter == ready.name):
+                    self._finish(tracked, "error", error)
+            self.runner.clear_slot(slot)
+            self.slots.vacate(slot)
+            self.host.remove(ready.name)
+
+    def _drop_non_finite(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+    ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Fail the requests whose logits hold NaN or Inf (weights that overflow in this dtype);
+        every chunk is checked, so the K/V any other request can read stay finite."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [chunks]
+        if all(finite):
+            return chunks, logits
+        for chunk in itertools.compress(chunks, [not ok for ok in finite]):
+            seq = chunk.seq
+            source = f"adapter {seq.adapter!r}" if seq.adapter else "the base model"
+            error = FailedPrecondition(
+                f"{source} produced NaN or Inf logits for this request (values overflow in "
+                f"{self.config.dtype}); the request was stopped"
+            )
+            self.runner.clear_blocks(seq.block_table)
+            self._finish(self._tracked[seq.request_id], "error", error)
+        keep = [i for i, ok in enumerate(finite) if ok]
+        return [chunks[i] for i in keep], logits[keep]
 
     def _sample_and_emit(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         rows = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
@@ -447,4 +533,10 @@ def _input(chunk: ScheduledChunk) -> SequenceInput:
 def _as_loramux(error: Exception, name: str) -> LoramuxError:
     if isinstance(error, LoramuxError):
         return error
-    return LoramuxError(f"loading adapter {name!r} failed: {error}")
+    log.error("loading adapter %r failed", name, exc_info=error)
+    return FailedPrecondition(f"adapter {name!r} could not be loaded: {_brief(error)}")
+
+
+def _brief(error: Exception) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 3] + "..."

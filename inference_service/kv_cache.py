@@ -24,6 +24,13 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Wipe blocks a failed sequence may have filled with NaN or Inf: attention reads stale
+        positions of a sequence's blocks under a mask, and a masked NaN still poisons the output."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.k.device)
+        self.k.index_fill_(1, index, 0)
+        self.v.index_fill_(1, index, 0)
+
     @property
     def num_blocks(self) -> int:
         return self.k.shape[1]

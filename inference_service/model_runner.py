@@ -57,6 +57,11 @@ class ModelRunner:
             self._linears[(layer, packed)].set_slice(slot, slice_index, weights.a, weights.b_t)
 
     @torch.inference_mode()
+    def clear_blocks(self, block_table: list[int]) -> None:
+        """Zero a failed sequence's KV blocks before they are handed out again."""
+        self.cache.zero_blocks(block_table)
+
+    @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         self._slot_ranks[slot] = 0
         for linear in self._linears.values():

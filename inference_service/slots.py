@@ -37,6 +37,10 @@ class SlotPool:
         self._acquired_at[slot] = self._clock
         return slot, activate
 
+    def vacate(self, slot: int) -> None:
+        """The slot's weights are gone (a failed activation): no adapter is resident there."""
+        self._digest_of[slot] = None
+
     def release(self, slot: int) -> None:
         self._refs[slot] -= 1
         if self._refs[slot] == 0:

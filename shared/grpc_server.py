@@ -2,6 +2,7 @@
 checks, and the standard health and reflection services."""
 
 import asyncio
+import inspect
 import logging
 import signal
 from collections.abc import Iterable
@@ -73,7 +74,11 @@ def _unary(behavior, method: str):
 def _stream(behavior, method: str):
     async def call(request, context):
         try:
-            async for response in behavior(request, context):
+            responses = behavior(request, context)
+            if inspect.isawaitable(responses):  # a handler that sends with context.write (health Watch)
+                await responses
+                return
+            async for response in responses:
                 yield response
         except grpc.aio.AbortError:
             raise
