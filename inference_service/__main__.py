@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvloop
 
+from inference_service.blob_fetch import FetchLimits
 from inference_service.config import EngineConfig
 from inference_service.default_model import prepare_default_model
 from inference_service.server import serve
@@ -31,6 +32,9 @@ def parse_config(argv: list[str]) -> WorkerConfig:
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
+    p.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest adapter blob fetched")
+    p.add_argument("--fetch-idle-timeout", type=float, default=10.0, help="seconds a fetch may go silent")
+    p.add_argument("--fetch-timeout", type=float, default=120.0, help="seconds one adapter fetch may take")
     p.add_argument("--api-token", default=os.environ.get("LORAMUX_API_TOKEN"), help="token Generate needs")
     args = p.parse_args(argv)
     cache = Path(os.environ.get("LORAMUX_CACHE", ".cache"))
@@ -53,6 +57,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         api_token=args.api_token,
         max_pending=args.max_pending,
         drain_timeout_s=args.drain_timeout,
+        fetch=FetchLimits(args.max_adapter_bytes, args.fetch_idle_timeout, args.fetch_timeout),
     )
 
 
@@ -62,7 +67,7 @@ def main() -> None:
         config = parse_config(sys.argv[1:])
     except LoramuxError as e:
         sys.exit(f"inference worker: {e}")
-    uvloop.run(serve(config))
+    sys.exit(uvloop.run(serve(config)))
 
 
 if __name__ == "__main__":

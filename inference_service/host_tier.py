@@ -48,7 +48,7 @@ class HostTier:
         loader: AdapterLoader,
         pin_memory: bool,
         on_done: Callable[[], None] = lambda: None,
-        threads: int = 2,
+        threads: int = 4,  # loads in flight at once: one stalled fetch must not block the rest
     ):
         self.capacity = capacity
         self._loader = loader

@@ -1,6 +1,8 @@
 """Run an inference worker: gRPC server first (liveness), then the model (readiness), the
 adapter store link, and on SIGTERM a drain: readiness off, new calls refused, streams in flight
-finish within the drain timeout, then exit."""
+finish within the drain timeout, then exit 0. If the engine dies instead, every health service
+turns NOT_SERVING, its streams have already ended with UNAVAILABLE, and the worker exits 1 for a
+supervisor to restart it."""
 
 import asyncio
 import logging
@@ -20,6 +22,7 @@ from shared.model_config import ModelConfig
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+FAILURE_GRACE_S = 0.5  # for streams to send the status that ends them once the engine died
 MAX_MESSAGE_BYTES = 16 << 20  # a long token-id prompt fits; nothing else comes close
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 CHANNEL_OPTIONS = [
@@ -29,7 +32,8 @@ CHANNEL_OPTIONS = [
 ]
 
 
-async def serve(config: WorkerConfig) -> None:
+async def serve(config: WorkerConfig) -> int:
+    """Serve until SIGTERM (exit status 0) or an engine failure (1)."""
     admission = Admission(config.max_pending)
     servicer = InferenceServicer(admission)
     server, health = await _start_server(config, servicer)
@@ -37,16 +41,31 @@ async def serve(config: WorkerConfig) -> None:
     await health.set(SERVICE, NOT_SERVING)
     store = grpc.insecure_channel(config.store, options=CHANNEL_OPTIONS) if config.store else None
     engine, watch = await asyncio.to_thread(_build_engine, config, store)
+    failed = _engine_failure(engine)
     servicer.engine = engine
     await health.set("readiness", SERVING)
     await health.set(SERVICE, SERVING)
     log.info("ready: model %s, %s", config.engine.model, f"store {config.store}" if store else "no store")
-    await until_signal()
-    await _drain(config, server, health, admission, engine)
+    signalled = asyncio.ensure_future(until_signal())
+    await asyncio.wait([signalled, failed], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if failed.done():
+        await _shut_after_failure(failed.result(), server, health, admission)
+    else:
+        await _drain(config, server, health, admission, engine)
     if watch is not None:
         watch.stop()
     if store is not None:
         store.close()
+    return 1 if failed.done() else 0
+
+
+def _engine_failure(engine: Engine) -> asyncio.Future:
+    """Resolves with the engine's error if its thread dies."""
+    loop = asyncio.get_running_loop()
+    failed = loop.create_future()
+    engine.on_fatal(lambda error: loop.call_soon_threadsafe(failed.set_result, error))
+    return failed
 
 
 async def _start_server(config: WorkerConfig, servicer: InferenceServicer):
@@ -78,12 +97,21 @@ def _build_engine(config: WorkerConfig, store: grpc.Channel | None) -> tuple[Eng
         return engine, None
     e = config.engine
     model = ModelConfig.from_dir(e.model)
-    loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype)
+    loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype, config.fetch)
     engine = Engine(e, loader)
     engine.start()
     watch = StoreWatch(store, engine, loader)
     watch.start()
     return engine, watch
+
+
+async def _shut_after_failure(error: Exception, server, health, admission: Admission) -> None:
+    """The engine ended every stream with UNAVAILABLE; let those statuses reach their callers."""
+    log.error("shutting down after an engine failure: %s", error)
+    admission.close(str(error))
+    await health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+    await admission.drained(FAILURE_GRACE_S)
+    await server.stop(FAILURE_GRACE_S)
 
 
 async def _drain(config, server, health, admission: Admission, engine: Engine) -> None:

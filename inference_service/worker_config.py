@@ -1,8 +1,9 @@
 """WorkerConfig: the one configuration of an inference worker process (the engine's plus serving)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference_service.blob_fetch import FetchLimits
 from inference_service.config import EngineConfig
 from shared.errors import InvalidArgument
 
@@ -16,6 +17,7 @@ class WorkerConfig:
     api_token: str | None = None  # when set, Generate needs "authorization: Bearer <token>"
     max_pending: int = 256  # Generate calls held at once (running and queued)
     drain_timeout_s: float = 30.0  # after SIGTERM, how long streams in flight may take
+    fetch: FetchLimits = field(default_factory=FetchLimits)  # bytes and seconds one adapter fetch may take
 
     def __post_init__(self):
         if self.max_pending < 1:

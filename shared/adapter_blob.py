@@ -8,18 +8,26 @@ JSON: the same content always encodes to the same bytes, hence the same digest.
 
 import hashlib
 import json
+import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
+import torch
+from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from shared.errors import InvalidArgument
+from shared.errors import FailedPrecondition, quoted
+from shared.model_config import MODULE_PARENTS, LinearShape, ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 FORMAT = "loramux-adapter/2"
 METADATA_KEY = "loramux"
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+# A bounded layer number: int() of thousands of digits is itself an error.
+TENSOR_NAME = re.compile(r"layers\.(-?[0-9]{1,9})\.([a-z_]{1,32})\.(lora_a|lora_b_t)")
 
 
 @dataclass(frozen=True)
@@ -58,24 +66,190 @@ def digest(blob: bytes) -> str:
     return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
-def decode(blob: bytes) -> AdapterWeights:
-    metadata = _metadata(blob)
-    if metadata.get("format") != FORMAT:
-        raise InvalidArgument(f"adapter blob format {metadata.get('format')!r}, expected {FORMAT!r}")
-    tensors = load(blob)
-    modules = {}
-    for name in tensors:
-        _, layer, module, half = name.split(".")
-        if half == "lora_a":
-            modules[(int(layer), module)] = ModuleLora(
-                tensors[name], tensors[f"layers.{layer}.{module}.lora_b_t"]
-            )
-    return AdapterWeights(
-        int(metadata["rank"]),
-        float(metadata["alpha"]),
-        tuple(metadata["target_modules"]),
-        dict(sorted(modules.items())),
-    )
+def check_digest(text: str, where: str) -> str:
+    """`text` if it is a digest this format can name ("sha256:" + 64 lowercase hex), else
+    FailedPrecondition: only such a digest may become a file name."""
+    if not is_digest(text):
+        raise FailedPrecondition(
+            f"{where} gave digest {quoted(text)}, which is not 'sha256:' followed by 64 lowercase "
+            "hex digits; the adapter cannot be served"
+        )
+    return text
+
+
+def is_digest(text: object) -> bool:
+    return isinstance(text, str) and DIGEST.fullmatch(text) is not None
+
+
+def file_name(digest: str) -> str:
+    """The cache file name of a blob: "sha256-<hex>", never a path of the digest's choosing."""
+    return check_digest(digest, "a cache lookup").replace(":", "-")
+
+
+def decode(
+    blob: bytes, where: str = "adapter blob", model: ModelConfig | None = None, max_rank: int | None = None
+) -> AdapterWeights:
+    """The weights in `blob`, every part checked before anything trusts it: header, metadata,
+    tensor names, dtypes, shapes (against the declared rank, and `model` and `max_rank` when
+    given) and finite values. Every defect is FailedPrecondition naming `where` and the tensor."""
+    header = _header(blob, where)
+    declared = _declared(header.pop("__metadata__", None), where)
+    shapes = _tensor_shapes(header, declared, model, where)
+    _check_ranks(shapes, declared, max_rank, where)
+    tensors = _tensors(blob, where)
+    modules = {
+        (layer, module): ModuleLora(
+            tensors[f"layers.{layer}.{module}.lora_a"], tensors[f"layers.{layer}.{module}.lora_b_t"]
+        )
+        for layer, module in sorted(shapes)
+    }
+    return AdapterWeights(declared.rank, declared.alpha, declared.target_modules, modules)
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """What the blob's metadata says about its weights."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+
+def _header(blob: bytes, where: str) -> dict:
+    if len(blob) < 8:
+        raise FailedPrecondition(f"{where}: the blob is {len(blob)} bytes, too short for a safetensors file")
+    (size,) = struct.unpack("<Q", blob[:8])
+    if size > len(blob) - 8:
+        raise FailedPrecondition(
+            f"{where}: the blob's safetensors header claims {size} bytes; the blob has {len(blob)} bytes"
+        )
+    try:
+        header = json.loads(blob[8 : 8 + size])
+    except (ValueError, RecursionError):
+        raise FailedPrecondition(f"{where}: the blob's safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise FailedPrecondition(f"{where}: the blob's safetensors header is not a JSON object")
+    return header
+
+
+def _declared(metadata: object, where: str) -> _Declared:
+    raw = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+    try:
+        meta = json.loads(raw) if isinstance(raw, str) else None
+    except (ValueError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise FailedPrecondition(f"{where}: the blob has no {METADATA_KEY!r} metadata JSON object")
+    if meta.get("format") != FORMAT:
+        raise FailedPrecondition(f"{where}: blob format {quoted(meta.get('format'))}, expected {FORMAT!r}")
+    rank, alpha, targets = meta.get("rank"), meta.get("alpha"), meta.get("target_modules")
+    if not _is_int(rank) or rank < 1:
+        raise FailedPrecondition(
+            f"{where}: the blob's metadata rank {quoted(rank)} is not a positive integer"
+        )
+    if not (_is_int(alpha) or isinstance(alpha, float)) or not math.isfinite(alpha):
+        raise FailedPrecondition(f"{where}: the blob's metadata alpha {quoted(alpha)} is not a finite number")
+    if not isinstance(targets, list) or not all(isinstance(t, str) and t in MODULE_PARENTS for t in targets):
+        raise FailedPrecondition(
+            f"{where}: the blob's metadata target_modules {quoted(targets)} is not a list of LoRA "
+            f"target modules ({', '.join(MODULE_PARENTS)})"
+        )
+    return _Declared(rank, float(alpha), tuple(targets))
+
+
+def _tensor_shapes(header: dict, declared: _Declared, model: ModelConfig | None, where: str) -> dict:
+    """(layer, module) -> {"lora_a": shape, "lora_b_t": shape}, every tensor accounted for."""
+    pairs: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
+    for name, entry in header.items():
+        layer, module, half = _tensor_key(name, declared, model, where)
+        pairs.setdefault((layer, module), {})[half] = _tensor_shape(name, entry, where)
+    if not pairs:
+        raise FailedPrecondition(f"{where}: the blob holds no LoRA tensors")
+    for (layer, module), pair in pairs.items():
+        missing = {"lora_a", "lora_b_t"} - pair.keys()
+        if missing:
+            raise FailedPrecondition(f"{where}: layers.{layer}.{module} has no {missing.pop()} tensor")
+        _check_module(f"{where}: layers.{layer}.{module}", pair, model and model.linear_shapes()[module])
+    return pairs
+
+
+def _tensor_key(
+    name: str, declared: _Declared, model: ModelConfig | None, where: str
+) -> tuple[int, str, str]:
+    match = TENSOR_NAME.fullmatch(name)
+    if not match or match[2] not in MODULE_PARENTS:
+        raise FailedPrecondition(
+            f"{where}: tensor {quoted(name)} is not a LoRA tensor (layers.<layer>.<module>.lora_a or "
+            f".lora_b_t, module one of {', '.join(MODULE_PARENTS)})"
+        )
+    layer, module = int(match[1]), match[2]
+    layers = model.num_layers if model else None
+    if layer < 0 or (layers is not None and layer >= layers):
+        within = f"0 to {layers - 1}" if layers else "non-negative"
+        raise FailedPrecondition(
+            f"{where}: tensor {name} is for layer {layer}; this model's layers are {within}"
+        )
+    if module not in declared.target_modules:
+        raise FailedPrecondition(
+            f"{where}: tensor {name} adapts {module}, which the blob's target_modules "
+            f"{list(declared.target_modules)} do not name"
+        )
+    return layer, module, match[3]
+
+
+def _tensor_shape(name: str, entry: object, where: str) -> tuple[int, int]:
+    dtype = entry.get("dtype") if isinstance(entry, dict) else None
+    if dtype not in SAFETENSORS_DTYPES:
+        raise FailedPrecondition(
+            f"{where}: tensor {name} has dtype {quoted(dtype)}; F16, BF16 or F32 expected"
+        )
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2 or not all(_is_int(d) and d >= 0 for d in shape):
+        raise FailedPrecondition(f"{where}: tensor {name} has shape {quoted(shape)}; a matrix expected")
+    return tuple(shape)
+
+
+def _check_module(label: str, pair: dict[str, tuple[int, int]], want: LinearShape | None) -> None:
+    a, b_t = pair["lora_a"], pair["lora_b_t"]
+    if a[0] != b_t[0] or a[0] < 1:
+        raise FailedPrecondition(
+            f"{label}: lora_a {list(a)} and lora_b_t {list(b_t)} must share a rank of at least 1 "
+            "(their first dimension)"
+        )
+    if want is not None and (a[1] != want.in_features or b_t[1] != want.out_features):
+        raise FailedPrecondition(
+            f"{label}: lora_a {list(a)} and lora_b_t {list(b_t)}; this worker's model expects "
+            f"[r, {want.in_features}] and [r, {want.out_features}]"
+        )
+
+
+def _check_ranks(shapes: dict, declared: _Declared, max_rank: int | None, where: str) -> None:
+    (layer, module), pair = max(shapes.items(), key=lambda item: item[1]["lora_a"][0])
+    largest = pair["lora_a"][0]
+    if largest != declared.rank:
+        raise FailedPrecondition(
+            f"{where}: layers.{layer}.{module} has rank {largest}, but the blob's metadata declares "
+            f"rank {declared.rank} (the largest module rank)"
+        )
+    if max_rank is not None and largest > max_rank:
+        raise FailedPrecondition(f"{where} has rank {largest}, above this worker's max_lora_rank {max_rank}")
+
+
+def _tensors(blob: bytes, where: str) -> dict[str, torch.Tensor]:
+    try:
+        tensors = load(blob)
+    except (SafetensorError, ValueError, RuntimeError):
+        raise FailedPrecondition(
+            f"{where}: the blob's tensor data does not match its safetensors header (offsets or sizes)"
+        ) from None
+    for name, tensor in tensors.items():
+        if not torch.isfinite(tensor).all():
+            raise FailedPrecondition(f"{where}: tensor {name} contains NaN or Inf values")
+    return tensors
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_info(f: BinaryIO) -> BlobInfo:
@@ -94,9 +268,3 @@ def read_info(f: BinaryIO) -> BlobInfo:
         tensors[0].dtype,
         tensors,
     )
-
-
-def _metadata(blob: bytes) -> dict:
-    (size,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + size]).get("__metadata__") or {}
-    return json.loads(header.get(METADATA_KEY, "{}"))

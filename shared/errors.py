@@ -39,3 +39,10 @@ class PermissionDenied(LoramuxError):
 
 class Unauthenticated(LoramuxError):
     """Missing token."""
+
+
+def quoted(text: object, limit: int = 80) -> str:
+    """Untrusted text (a digest or message from another process) as it may appear in an error
+    message: repr-escaped, so control characters cannot forge log lines, and cut to `limit`."""
+    text = str(text)
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")

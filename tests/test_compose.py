@@ -70,3 +70,7 @@ def test_start_order(services):
     assert store_deps["minio-init"]["condition"] == "service_completed_successfully"
     worker_deps = services["inference-worker"]["depends_on"]
     assert worker_deps["adapter-store"]["condition"] == "service_healthy"
+
+
+def test_a_worker_that_exits_after_an_engine_failure_is_restarted(services):
+    assert services["inference-worker"]["restart"] in ("always", "unless-stopped", "on-failure")

@@ -1,0 +1,69 @@
+"""A worker process whose engine fails mid-run: its streams end with UNAVAILABLE at once, health
+turns NOT_SERVING and the process exits non-zero for its supervisor to restart it."""
+
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.pb.loramux.inference.v1 import inference_pb2 as pb
+from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
+from tests.adapter_store.conftest import spawn
+from tests.e2e.faulty_worker import FAULT
+
+STREAMS = 3
+
+
+def _stream(stub, prompt: list[int], out: dict) -> None:
+    """Generate until the stream ends; records when the last delta came and how it ended."""
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    )
+    out["last_message"] = time.monotonic()
+    try:
+        for _ in stub.Generate(request, timeout=60):
+            out["last_message"] = time.monotonic()
+    except grpc.RpcError as e:
+        out["ended"], out["code"], out["details"] = time.monotonic(), e.code(), e.details()
+
+
+def _watch(health, statuses: list) -> None:
+    try:
+        for response in health.Watch(health_pb2.HealthCheckRequest(service="readiness"), timeout=60):
+            statuses.append(response.status)
+    except grpc.RpcError:
+        statuses.append("closed")
+
+
+def test_an_engine_fault_ends_every_stream_with_unavailable_and_the_worker_exits_1(tiny_models, tmp_path):
+    env = {"LORAMUX_FAULT_AFTER_STEPS": "40", "LORAMUX_CACHE": str(tmp_path)}
+    args = ["--listen", "127.0.0.1:0", "--model", str(tiny_models["llama"])]
+    process, address = spawn("tests.e2e.faulty_worker", args, env, tmp_path / "worker.log")
+    with grpc.insecure_channel(address) as channel:
+        statuses: list = []
+        watcher = threading.Thread(target=_watch, args=(health_pb2_grpc.HealthStub(channel), statuses))
+        watcher.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        deadline = time.monotonic() + 60
+        while serving not in statuses and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stub = inference_grpc.InferenceServiceStub(channel)
+        results = [{} for _ in range(STREAMS)]
+        threads = [
+            threading.Thread(target=_stream, args=(stub, [5 + i, 6, 7], results[i])) for i in range(STREAMS)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        watcher.join(timeout=30)
+    assert process.wait(timeout=30) == 1
+    for r in results:
+        assert r["code"] == grpc.StatusCode.UNAVAILABLE, r
+        assert "engine failed" in r["details"] and FAULT in r["details"]
+        assert r["ended"] - r["last_message"] < 1.0  # no stream waits on a dead engine
+    after_ready = statuses[statuses.index(serving) :]
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in after_ready, statuses
+    assert "Traceback" in (tmp_path / "worker.log").read_text()
