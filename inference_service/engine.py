@@ -534,6 +534,10 @@ def _as_loramux(error: Exception, name: str) -> LoramuxError:
     if isinstance(error, LoramuxError):
         return error
     log.error("loading adapter %r failed", name, exc_info=error)
+    if isinstance(error, OSError):  # this worker's disk (a full cache), not the adapter
+        return Unavailable(
+            f"adapter {name!r}: this worker cannot read or write its adapter cache ({_brief(error)})"
+        )
     return FailedPrecondition(f"adapter {name!r} could not be loaded: {_brief(error)}")
 
 

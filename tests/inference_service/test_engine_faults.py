@@ -1,6 +1,7 @@
 """Engine faults: what belongs to one adapter or request fails only its requests; anything else
 ends every request with UNAVAILABLE and refuses new ones, never leaving a stream waiting."""
 
+import errno
 import queue
 import shutil
 from dataclasses import replace
@@ -168,3 +169,21 @@ def test_an_engine_failure_ends_every_request_and_refuses_new_ones(tiny_models, 
     with pytest.raises(Unavailable, match="engine failed"):
         engine.submit(_requests([(None, [5], 2)])[0], lambda d: None)
     engine.stop()
+
+
+class FullDiskLoader(LocalAdapterLoader):
+    """Every load fails as a fetch into a full adapter cache would."""
+
+    def load(self, name: str) -> ReadyAdapter:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_load_that_fails_on_the_workers_disk_is_unavailable_and_fails_only_its_requests(
+    tiny_models, tiny_adapters
+):
+    loader = FullDiskLoader(ModelConfig.from_dir(tiny_models["llama"]), 16, torch.float32)
+    engine = _engine(tiny_models, tiny_adapters, loader, max_cpu_loras=0)
+    base, cold = engine.generate(_requests([(None, [5, 6, 7], 6), ("all8", [9, 10], 6)]))
+    assert base.error is None and len(base.token_ids) == 6
+    assert isinstance(cold.error, Unavailable) and "No space left on device" in str(cold.error)
+    _assert_idle(engine)
