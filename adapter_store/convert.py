@@ -78,6 +78,6 @@ def after_id(token: str) -> str | None:
         last_id = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
     except (ValueError, UnicodeDecodeError):
         last_id = ""
-    if not ADAPTER_ID.match(last_id):
+    if not ADAPTER_ID.fullmatch(last_id):
         raise InvalidArgument(f"page_token {token!r} is not one this store issued")
     return last_id

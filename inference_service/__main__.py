@@ -13,7 +13,7 @@ from inference_service.blob_fetch import FetchLimits
 from inference_service.config import EngineConfig
 from inference_service.default_model import prepare_default_model
 from inference_service.server import serve
-from inference_service.worker_config import WorkerConfig
+from inference_service.worker_config import DEFAULT_MAX_MESSAGE_BYTES, WorkerConfig
 from shared.dtypes import DTYPES
 from shared.errors import LoramuxError
 
@@ -32,6 +32,12 @@ def parse_config(argv: list[str]) -> WorkerConfig:
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest request message taken in (default 16 MiB); longer ones are refused unread",
+    )
     p.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest adapter blob fetched")
     p.add_argument("--fetch-idle-timeout", type=float, default=10.0, help="seconds a fetch may go silent")
     p.add_argument("--fetch-timeout", type=float, default=120.0, help="seconds one adapter fetch may take")
@@ -57,6 +63,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         api_token=args.api_token,
         max_pending=args.max_pending,
         drain_timeout_s=args.drain_timeout,
+        max_message_bytes=args.max_message_bytes,
         fetch=FetchLimits(args.max_adapter_bytes, args.fetch_idle_timeout, args.fetch_timeout),
     )
 

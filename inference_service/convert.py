@@ -9,6 +9,7 @@ from shared.errors import InvalidArgument
 from shared.names import check_adapter_id
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 
+MAX_REQUEST_ID_CHARS = 256  # a label for the caller's logs; longer than any id scheme writes
 OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -22,28 +23,62 @@ LOCATIONS = {
 }
 
 
-def request(message: pb.GenerateRequest, tokenizer: Tokenizer | None) -> Request:
+def request(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int) -> Request:
+    """The engine's request. The cheap checks come first and the prompt is tokenized last, in time
+    proportional to a prompt already bounded by `max_model_len`. The client's request_id is a label
+    only: the engine's key is always a fresh id, so no caller can collide with another's."""
+    label = message.request_id
+    if len(label) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id is {len(label)} characters long; at most {MAX_REQUEST_ID_CHARS}")
     adapter = check_adapter_id(message.adapter) if message.adapter else None
-    ids = prompt_ids(message, tokenizer)
-    kwargs = {"request_id": message.request_id} if message.request_id else {}
-    return Request(ids, adapter, sampling(message.sampling), **kwargs)
+    params = sampling(message.sampling)
+    return Request(prompt_ids(message, tokenizer, max_model_len), adapter, params)
 
 
-def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None) -> list[int]:
+def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int) -> list[int]:
     kind = message.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("GenerateRequest has no input: set text, token_ids or chat")
     if kind == "token_ids":
-        return list(message.token_ids.ids)
+        ids = message.token_ids.ids
+        if len(ids) > max_model_len:  # before the engine looks at each id
+            raise InvalidArgument(f"prompt has {len(ids)} token ids; max_model_len is {max_model_len}")
+        return list(ids)
     if tokenizer is None:
         raise InvalidArgument(f"this model has no tokenizer, so {kind} input cannot be used; send token_ids")
     if kind == "text":
-        return tokenizer.encode(message.text)
-    messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
-    if not messages:
+        text = message.text
+        _check_prompt_bytes("text prompt", _utf8_bytes(text), tokenizer, max_model_len)
+        return tokenizer.encode(text)
+    chat = message.chat.messages
+    if not chat:
         raise InvalidArgument("chat input has no messages")
+    if len(chat) > max_model_len:  # every chat template writes at least one token per message
+        raise InvalidArgument(f"chat input has {len(chat)} messages; max_model_len is {max_model_len} tokens")
+    size = sum(_utf8_bytes(m.role) + _utf8_bytes(m.content) for m in chat)
+    _check_prompt_bytes("chat input (roles and contents)", size, tokenizer, max_model_len)
+    messages = [{"role": m.role, "content": m.content} for m in chat]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))  # isascii() is O(1)
+
+
+def _check_prompt_bytes(what: str, size: int, tokenizer: Tokenizer, max_model_len: int) -> None:
+    """Refuses, without tokenizing it, a prompt too long to fit max_model_len tokens whatever its text."""
+    bound = max_model_len * tokenizer.max_token_bytes
+    if size > bound:
+        raise InvalidArgument(
+            f"{what} is {size} bytes; at most {bound} bytes can fit max_model_len {max_model_len} "
+            f"tokens (no token of this model stands for more than {tokenizer.max_token_bytes} bytes)"
+        )
+
+
+def token_limit(engine: Engine) -> int:
+    """The most tokens (prompt plus output) one request may hold: the worker's limit or the model's."""
+    return min(engine.config.max_model_len, engine.runner.model_config.max_position_embeddings)
 
 
 def sampling(message: pb.SamplingParams) -> SamplingParams:
@@ -95,7 +130,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         model_name=Path(config.model).name,
         model_type=model.model_type,
         vocab_size=model.vocab_size,
-        max_model_len=min(config.max_model_len, model.max_position_embeddings),
+        max_model_len=token_limit(engine),
         dtype=config.dtype,
         device=config.device,
         max_loras=config.max_loras,

@@ -33,11 +33,11 @@ class IncrementalDetokenizer:
             raise InvalidArgument("stop strings must not be empty")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stop = tuple(stop)
+        self._stop = _StopMatcher(tuple(stop))
         self._window = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._read = len(self._window)  # window[:read] is already released (or prompt)
         self._read_text = self._decode(self._window)
-        self._held = ""  # decoded text that may be the start of a stop string
+        self._held = ""  # decoded text that may start a stop string: shorter than the longest one
         self._stop_string: str | None = None
 
     @property
@@ -80,37 +80,68 @@ class IncrementalDetokenizer:
         return new_text
 
     def _release(self, new_text: str) -> str:
-        """The part of held + new text known to be output; keeps back a possible stop-string start."""
+        """The part of held + new text known to be output; keeps back a possible stop-string start.
+        Costs O(held + new text): a stop string that ends here started within them."""
         text = self._held + new_text
-        cut = _first_stop(text, self._stop)
+        cut = self._stop.feed(new_text)
         if cut is not None:
-            start, self._stop_string = cut
+            end, self._stop_string = cut
+            start = len(self._held) + end - len(self._stop_string)
             self._held = ""
             return text[:start]
-        keep = _open_stop_prefix(text, self._stop)
+        keep = self._stop.open
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
 
 
-def _first_stop(text: str, stop: tuple[str, ...]) -> tuple[int, str] | None:
-    """(start, stop string) of the occurrence that ends first, the longer one on a tie; else None.
+class _StopMatcher:
+    """Finds stop strings in a text fed piece by piece, as Knuth-Morris-Pratt finds one pattern: per
+    stop string it keeps how many of its first characters end the text so far, so a new character
+    costs O(1) amortized per stop string, however long the text before it."""
 
-    Ending first, not starting first, makes the cut the same whatever way the text arrives in pieces.
-    """
-    found = [(text.find(s), s) for s in stop]
-    hits = [(start + len(s), start, s) for start, s in found if start >= 0]
-    if not hits:
+    def __init__(self, stop: tuple[str, ...]):
+        self._stop = stop
+        self._fallback = [_prefix_function(s) for s in stop]
+        self._matched = [0] * len(stop)  # stop[k][:matched[k]] ends the text so far
+        self._chars = frozenset("".join(stop))
+
+    @property
+    def open(self) -> int:
+        """Length of the longest end of the text so far that is a proper start of a stop string."""
+        return max(self._matched, default=0)
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """(end, s): stop string s is the first to end in `text`, at text[:end], the longer one on a
+        tie; None when none ends in it. Ending first, not starting first, makes the cut the same
+        whatever way the text arrives in pieces."""
+        if not self._stop:
+            return None
+        for i, ch in enumerate(text):
+            if ch not in self._chars:  # in no stop string: no start of one stays open
+                self._matched = [0] * len(self._stop)
+                continue
+            ended = [s for k, s in enumerate(self._stop) if self._advance(k, ch)]
+            if ended:
+                return i + 1, max(ended, key=len)
         return None
-    _, start, s = min(hits)
-    return start, s
+
+    def _advance(self, k: int, ch: str) -> bool:
+        """Extends stop string k's match by `ch`; True when the whole string just matched."""
+        s, fallback, n = self._stop[k], self._fallback[k], self._matched[k]
+        while n and s[n] != ch:
+            n = fallback[n - 1]
+        if s[n] == ch:
+            n += 1
+        self._matched[k] = fallback[n - 1] if n == len(s) else n
+        return n == len(s)
 
 
-def _open_stop_prefix(text: str, stop: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper start of some stop string."""
-    longest = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
+def _prefix_function(s: str) -> list[int]:
+    """fallback[i]: the length of the longest proper start of s[: i + 1] that also ends it."""
+    fallback = [0] * len(s)
+    for i in range(1, len(s)):
+        n = fallback[i - 1]
+        while n and s[i] != s[n]:
+            n = fallback[n - 1]
+        fallback[i] = n + 1 if s[i] == s[n] else n
+    return fallback

@@ -508,15 +508,25 @@ class Engine:
         params, prompt = request.params, request.prompt_token_ids
         if not prompt:
             raise InvalidArgument("prompt_token_ids is empty")
+        limit = min(self.config.max_model_len, self.runner.model_config.max_position_embeddings)
+        if len(prompt) + params.max_tokens > limit:  # before the scan below, which is O(prompt)
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {limit}"
+            )
         vocab = self.runner.model_config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        limit = min(self.config.max_model_len, self.runner.model_config.max_position_embeddings)
-        if len(prompt) + params.max_tokens > limit:
+        # The scheduler reserves a sequence's every position at admission; one that needs more
+        # blocks than the cache has would wait forever, and hold back every request behind it.
+        block_size, cache_blocks = self.config.block_size, self.scheduler.allocator.num_blocks
+        needed = len(prompt) + params.max_tokens
+        if -(-needed // block_size) > cache_blocks:
             raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}"
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
+                f"tokens of KV cache; this worker's KV cache holds {cache_blocks * block_size} "
+                f"(--kv-cache-tokens); lower max_tokens or shorten the prompt"
             )
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer; this model folder has no tokenizer.json")

@@ -8,6 +8,7 @@ tokens depend only on its seed and its own logits, never on what else shares the
 """
 
 import math
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,15 @@ from shared.errors import InvalidArgument
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy: dividing by them can overflow the logits to inf (as vLLM does).
 GREEDY_BELOW = 1e-5
+# Stop strings are matched against each request's new text inside the engine step every request
+# shares, so their number and length are bounded: 16 holds the end-of-turn markers of any chat
+# template several times over (OpenAI's API takes 4), 256 characters any delimiter a person writes,
+# and the text held back while a stop string may be starting stays under 256 characters.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+# Each generated token is looked up in stop_token_ids; 64 ids hold every end-of-turn token of any
+# tokenizer with room to spare.
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _is_int(v: object) -> bool:
@@ -44,10 +54,12 @@ class SamplingParams:
     def __post_init__(self):
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        _check_stop_sizes(self.stop, self.stop_token_ids)
         for name, (valid, allowed) in _CHECKS.items():
             value = getattr(self, name)
-            if not valid(value):
-                raise InvalidArgument(f"sampling parameter {name} must be {allowed}, got {value!r}")
+            if not valid(value):  # reprlib: a client's value is quoted short, never whole
+                got = reprlib.repr(value)
+                raise InvalidArgument(f"sampling parameter {name} must be {allowed}, got {got}")
 
 
 _CHECKS = {  # field: (is the value valid, what is allowed)
@@ -67,8 +79,22 @@ _CHECKS = {  # field: (is the value valid, what is allowed)
 
 def _as_tuple(value: object, name: str) -> tuple:
     if not isinstance(value, list | tuple):  # a bare string would otherwise become its characters
-        raise InvalidArgument(f"sampling parameter {name} must be a list, got {value!r}")
+        raise InvalidArgument(f"sampling parameter {name} must be a list, got {reprlib.repr(value)}")
     return tuple(value)
+
+
+def _check_stop_sizes(stop: tuple, stop_token_ids: tuple) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"sampling parameter stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            f"sampling parameter stop_token_ids has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+        )
+    for i, s in enumerate(stop):
+        if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                f"sampling parameter stop[{i}] is {len(s)} characters long; at most {MAX_STOP_CHARS}"
+            )
 
 
 def generator_for(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:

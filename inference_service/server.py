@@ -23,13 +23,10 @@ from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 FAILURE_GRACE_S = 0.5  # for streams to send the status that ends them once the engine died
-MAX_MESSAGE_BYTES = 16 << 20  # a long token-id prompt fits; nothing else comes close
+MAX_MESSAGE_BYTES = 16 << 20  # what the worker sends, and takes in from the store
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+CHANNEL_OPTIONS = [*KEEPALIVE, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]  # the store link
 
 
 async def serve(config: WorkerConfig) -> int:
@@ -75,7 +72,8 @@ async def _start_server(config: WorkerConfig, servicer: InferenceServicer):
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
-            *CHANNEL_OPTIONS,
+            *KEEPALIVE,
+            ("grpc.max_receive_message_length", config.max_message_bytes),  # RESOURCE_EXHAUSTED beyond
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ],

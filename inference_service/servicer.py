@@ -28,7 +28,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             engine = self._ready_engine()
             start = time.perf_counter()
             first_token_s = None
-            async for delta in engine.stream(convert.request(request, engine.tokenizer)):
+            # Tokenizing and templating take time in proportion to the prompt: in a thread, so the
+            # event loop goes on serving every other call meanwhile.
+            engine_request = await asyncio.to_thread(
+                convert.request, request, engine.tokenizer, convert.token_limit(engine)
+            )
+            async for delta in engine.stream(engine_request):
                 if delta.error is not None:
                     raise delta.error
                 if delta.token_ids and first_token_s is None:

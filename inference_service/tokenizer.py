@@ -33,6 +33,7 @@ class Tokenizer:
         self._bos_token_id = self._id_of(self._bos_token, model_config.get("bos_token_id"))
         self._eos_token_ids = self._eos_ids(model_config.get("eos_token_id"))
         self._template = _compile(chat_template, model_dir) if chat_template else None
+        self._max_token_bytes = _max_token_bytes(backend)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -62,13 +63,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for: a text of more than
+        n × max_token_bytes bytes tokenizes into more than n tokens."""
+        return self._max_token_bytes
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in it (e.g. <|im_end|>) stay one token each.
 
         `add_special_tokens` runs the folder's post-processor (a BOS, for models that want one);
         turn it off for rendered chat prompts, whose template already writes the BOS.
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode keeps it), so a long text tokenized
+        # in a worker thread leaves the event loop and the engine thread running.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -100,6 +109,17 @@ class Tokenizer:
         config_ids = config_eos if isinstance(config_eos, list) else [config_eos]
         ids = [self._id_of(self._eos_token, None), *config_ids]
         return tuple(dict.fromkeys(i for i in ids if i is not None))  # dedupe, keep order
+
+
+def _max_token_bytes(backend: tokenizers.Tokenizer) -> int:
+    """A token decodes to the bytes it covers; + 1 for the leading space a decoder drops from a
+    token decoded alone (SentencePiece's ▁). A byte-fallback or partial-character token decodes
+    to U+FFFD (3 bytes), more than the bytes it covers, so the bound only errs high. Not so for a
+    normalizer that composes characters (Qwen2's NFC): decomposed text (Hangul jamo) shrinks up to
+    3x before tokenizing, so such a prompt near max_model_len may be refused though it would fit."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    pieces = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    return max((len(p.encode("utf-8")) for p in pieces), default=0) + 1
 
 
 def _read_json(path: Path) -> dict:

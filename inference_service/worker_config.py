@@ -7,6 +7,14 @@ from inference_service.blob_fetch import FetchLimits
 from inference_service.config import EngineConfig
 from shared.errors import InvalidArgument
 
+# 16 MiB: room for the longest legal prompt of a long-context model, as token ids (5 bytes each at
+# most) or as text (the byte bound is max_model_len × the longest token, about 80 bytes: 10 MiB at
+# 131072 tokens). Each Generate call admitted can hold one such message, so max_pending × this
+# bounds what requests hold in memory before they are tokenized.
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+MIN_MESSAGE_BYTES = 1 << 10  # below this not even a short chat prompt fits
+GRPC_MESSAGE_LIMIT = (1 << 31) - 1  # gRPC keeps message sizes in a signed 32-bit int
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -17,6 +25,8 @@ class WorkerConfig:
     api_token: str | None = None  # when set, Generate needs "authorization: Bearer <token>"
     max_pending: int = 256  # Generate calls held at once (running and queued)
     drain_timeout_s: float = 30.0  # after SIGTERM, how long streams in flight may take
+    # The largest request message gRPC takes in; anything longer is refused before it is decoded.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     fetch: FetchLimits = field(default_factory=FetchLimits)  # bytes and seconds one adapter fetch may take
 
     def __post_init__(self):
@@ -24,3 +34,8 @@ class WorkerConfig:
             raise InvalidArgument(f"max_pending must be at least 1, got {self.max_pending}")
         if self.drain_timeout_s < 0:
             raise InvalidArgument(f"drain_timeout_s must not be negative, got {self.drain_timeout_s}")
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= GRPC_MESSAGE_LIMIT:
+            raise InvalidArgument(
+                f"max_message_bytes must be in [{MIN_MESSAGE_BYTES}, {GRPC_MESSAGE_LIMIT}], "
+                f"got {self.max_message_bytes}"
+            )

@@ -19,7 +19,7 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "a
 CHECKPOINT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
 TENSOR_KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
 )
 
 
@@ -191,7 +191,7 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[in
     """(layer, module) -> (lora_A, lora_B), every key accounted for."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        m = TENSOR_KEY.match(key)
+        m = TENSOR_KEY.fullmatch(key)
         if not m or MODULE_PARENTS.get(m[3]) != m[2]:
             raise InvalidArgument(
                 f"{where}: tensor {key} is not a LoRA A/B matrix of a decoder linear layer "

@@ -121,3 +121,18 @@ def tiny_adapters(tiny_models, tmp_path_factory) -> dict[str, dict[str, Path]]:
         }
         for model_type, model_dir in tiny_models.items()
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, default_model_dir) -> Path:
+    """The tiny llama with the default model's tokenizer and chat template (and so its vocabulary
+    size): text and chat input on a model that loads in a second."""
+    import json
+    import shutil
+
+    vocab_size = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
+    path = build_tiny_model(tmp_path_factory.mktemp("chat") / "llama", vocab_size=vocab_size)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir / name).is_file():
+            shutil.copy(default_model_dir / name, path / name)
+    return path

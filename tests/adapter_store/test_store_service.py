@@ -201,6 +201,8 @@ def test_admin_rpcs_need_the_token_and_data_rpcs_do_not(stub, sources_root):
     assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in details
     code, _ = _code(stub.GetAdapter, request, metadata=(("authorization", "Bearer wrong"),))
     assert code == grpc.StatusCode.PERMISSION_DENIED
+    code, _ = _code(stub.GetAdapter, request, metadata=(("authorization", AUTH[0][1] + "x"),))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
     code, _ = _code(stub.RegisterAdapter, pb.RegisterAdapterRequest(adapter_id="x", source_uri="file:///"))
     assert code == grpc.StatusCode.UNAUTHENTICATED
 
@@ -226,6 +228,8 @@ def test_sources_outside_what_is_allowed_are_refused(stub, uri, code, named):
 def test_bad_ids_and_unknown_adapters(stub, sources_root):
     code, details = _code(_register, stub, "../evil", f"file://{sources_root / 'qv4'}")
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "../evil" in details
+    code, details = _code(_register, stub, "name\n", f"file://{sources_root / 'qv4'}")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'name\\n'" in details
     code, _ = _code(stub.PinAdapter, pb.PinAdapterRequest(adapter_id="ghost"), metadata=AUTH)
     assert code == grpc.StatusCode.NOT_FOUND
 

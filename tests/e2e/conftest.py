@@ -32,10 +32,12 @@ def free_port() -> int:
 
 
 class WorkerProcess:
-    """`python -m inference_service` on a free loopback port, fetching from `store`."""
+    """`python -m inference_service` on a free loopback port, fetching from `store` (None: no store,
+    base model only)."""
 
-    def __init__(self, model: Path, store: str, cache: Path, *flags: str):
-        self.args = ["--listen", "127.0.0.1:0", "--store", store, "--model", str(model), *flags]
+    def __init__(self, model: Path, store: str | None, cache: Path, *flags: str):
+        link = ["--store", store] if store else []
+        self.args = ["--listen", "127.0.0.1:0", *link, "--model", str(model), *flags]
         self.cache = cache
         self.log = cache.with_suffix(".log")
         self.process: subprocess.Popen | None = None

@@ -1,6 +1,8 @@
 """Streaming text deltas on the default model's byte-level BPE tokenizer: what a client reads."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inference_service.detokenizer import IncrementalDetokenizer
 from inference_service.tokenizer import Tokenizer
@@ -172,3 +174,33 @@ def test_special_tokens(tokenizer, prompt_ids, skip, expected):
     ids = generated(tokenizer, "Hi there<|im_end|>")
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip)
     assert "".join(stream(detok, ids)) == expected == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def cut_at_first_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
+    """The reference: search the whole text at once for the stop string that ends first."""
+    hits = [(text.find(s) + len(s), -len(s), s) for s in stop if s in text]
+    if not hits:
+        return text, None
+    end, _, s = min(hits)
+    return text[: end - len(s)], s
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet="ab \n", max_size=40),
+    stop=st.lists(st.text(alphabet="ab \n", min_size=1, max_size=6), max_size=4),
+    per_char=st.booleans(),
+)
+def test_stop_cut_is_the_whole_text_search_whatever_the_pieces(tokenizer, text, stop, per_char):
+    ids = [t for ch in text for t in generated(tokenizer, ch)] if per_char else generated(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=tuple(stop))
+    expected, stop_string = cut_at_first_stop(tokenizer.decode(ids), tuple(stop))
+    assert "".join(stream(detok, ids)) == expected
+    assert detok.stop_string == stop_string
+
+
+def test_text_is_held_back_no_longer_than_a_stop_string_could_start(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("a" * 8 + "b",))
+    ids = [t for _ in range(50) for t in generated(tokenizer, "a")]
+    assert "".join(detok.push(i) for i in ids) == "a" * 42
+    assert detok.finish() == "a" * 8

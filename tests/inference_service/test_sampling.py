@@ -14,7 +14,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from inference_service.sampling import SamplingBatch, SamplingParams, generator_for, sample
+from inference_service.sampling import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingBatch,
+    SamplingParams,
+    generator_for,
+    sample,
+)
 from shared.errors import InvalidArgument
 
 INVALID = [
@@ -45,6 +53,9 @@ INVALID = [
     ("stop", [""]),
     ("stop", ["ok", 3]),
     ("stop", "a bare string"),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1)),
+    ("stop", ["ok", "x" * (MAX_STOP_CHARS + 1)]),
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", ["2"]),
     ("stop_token_ids", 5),
@@ -67,6 +78,22 @@ def test_valid_params_store_lists_as_tuples():
     )
     assert p.stop == ("\n",) and p.stop_token_ids == (0,)
     assert hash(p) == hash(SamplingParams(**vars(p)))
+
+
+def test_stop_lists_are_capped_and_the_refusal_names_the_cap():
+    at_cap = SamplingParams(
+        stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, stop_token_ids=[7] * MAX_STOP_TOKEN_IDS
+    )
+    assert len(at_cap.stop) == MAX_STOP_STRINGS
+    with pytest.raises(InvalidArgument, match=rf"10000 strings; at most {MAX_STOP_STRINGS}$"):
+        SamplingParams(stop=["x"] * 10_000)
+    with pytest.raises(
+        InvalidArgument, match=rf"stop\[1\] is {1 << 20} characters long; at most {MAX_STOP_CHARS}"
+    ):
+        SamplingParams(stop=["ok", "x" * (1 << 20)])
+    with pytest.raises(InvalidArgument) as e:  # a client's value is quoted short
+        SamplingParams(stop=["x" * 200] * 3 + [""])
+    assert len(str(e.value)) < 300
 
 
 def _sample(logits, params, histories=None, generators=None):
