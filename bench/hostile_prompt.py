@@ -1,8 +1,9 @@
 """A hostile prompt beside a normal stream, over gRPC to a real worker on the default model. While
-one greedy stream decodes, another caller (a process of its own) sends huge text prompts: one of
-15 MB (over the byte bound, refused untokenized) and one just under the bound (tokenized in a
-thread, then refused for its length). Measured per prompt: the time to refuse it, a GetStats sent
-beside it, and the stream's largest gap between tokens while it was in flight, against the
+one greedy stream decodes, another caller (a process of its own) sends huge text prompts: 15 MB
+(over the 4 MiB message limit: gRPC drops it before Python parses it), 3 MB (under the message
+limit, over the prompt byte bound: refused untokenized) and one just under the bound (tokenized in
+a thread, then refused for its length). Measured per prompt: the time to refuse it, a GetStats
+sent beside it, and the stream's largest gap between tokens while it was in flight, against the
 stream's median gap (target: refusal under 0.1 s, gap under 2x the median).
 
     .venv/bin/python -m bench.hostile_prompt [--repeats 3]
@@ -25,7 +26,7 @@ from inference_service.tokenizer import Tokenizer
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 
-HUGE_BYTES = 15_000_000
+HUGE_BYTES, LARGE_BYTES = 15_000_000, 3_000_000
 MAX_MODEL_LEN = 4096  # the worker's default
 STREAM_TOKENS, START_AFTER_TOKENS, GAP_S = 150, 10, 0.5
 # Room for the 15 MB prompt; a channel's own connection, never one shared with another caller.
@@ -49,7 +50,7 @@ def stream_times(address: str, started: threading.Event) -> list[float]:
 
 def send_hostile(address: str, text_bytes: int, text: str) -> tuple[float, float, str]:
     """In the hostile caller's process: (sent, answered) perf_counter times of one prompt of
-    "hello world " repeated to `text_bytes` (or 15 MB of "x" when `text` is "x"), and the status."""
+    "hello world " repeated to `text_bytes` (or `text_bytes` of "x" when `text` is "x"), and the status."""
     body = "x" * text_bytes if text == "x" else text * (text_bytes // len(text))
     payload = pb.GenerateRequest(text=body).SerializeToString()  # built before the clock starts
     with grpc.insecure_channel(address, CHANNEL) as channel:
@@ -115,7 +116,11 @@ def one_round(address: str, hostile: ProcessPoolExecutor, prompts: dict[str, tup
 def hostile_prompt(model_dir: Path, repeats: int) -> list[dict]:
     """Rounds of the measurement after one warm-up round."""
     bound = MAX_MODEL_LEN * Tokenizer.from_dir(model_dir).max_token_bytes
-    prompts = {"15 MB": (HUGE_BYTES, "x"), f"{bound // 1000} KB, under the bound": (bound, "hello world ")}
+    prompts = {
+        "15 MB": (HUGE_BYTES, "x"),
+        "3 MB": (LARGE_BYTES, "x"),
+        f"{bound // 1000} KB, under the bound": (bound, "hello world "),
+    }
     worker, address = start("inference_service", "--model", str(model_dir))
     try:
         wait_ready(address)

@@ -36,7 +36,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         "--max-message-bytes",
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
-        help="largest request message taken in (default 16 MiB); longer ones are refused unread",
+        help="largest request message taken in (default 4 MiB); longer ones are refused unread",
     )
     p.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest adapter blob fetched")
     p.add_argument("--fetch-idle-timeout", type=float, default=10.0, help="seconds a fetch may go silent")

@@ -7,11 +7,12 @@ from inference_service.blob_fetch import FetchLimits
 from inference_service.config import EngineConfig
 from shared.errors import InvalidArgument
 
-# 16 MiB: room for the longest legal prompt of a long-context model, as token ids (5 bytes each at
-# most) or as text (the byte bound is max_model_len × the longest token, about 80 bytes: 10 MiB at
-# 131072 tokens). Each Generate call admitted can hold one such message, so max_pending × this
-# bounds what requests hold in memory before they are tokenized.
-DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+# 4 MiB, gRPC's own default: a 128k-token prompt as token ids (5 bytes each at most) or as real text
+# (about 4 bytes a token) fits several times over. A larger message is dropped by gRPC before Python
+# parses it; one that gets in costs the event loop a parse (15 MB: ~100 ms, a visible stall of other
+# streams, measured by bench.hostile_prompt). Each admitted Generate call can hold one message, so
+# max_pending × this bounds what requests hold in memory before they are tokenized.
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 MIN_MESSAGE_BYTES = 1 << 10  # below this not even a short chat prompt fits
 GRPC_MESSAGE_LIMIT = (1 << 31) - 1  # gRPC keeps message sizes in a signed 32-bit int
 
