@@ -76,11 +76,6 @@ def _check_prompt_bytes(what: str, size: int, tokenizer: Tokenizer, max_model_le
         )
 
 
-def token_limit(engine: Engine) -> int:
-    """The most tokens (prompt plus output) one request may hold: the worker's limit or the model's."""
-    return min(engine.config.max_model_len, engine.runner.model_config.max_position_embeddings)
-
-
 def sampling(message: pb.SamplingParams) -> SamplingParams:
     given = {name: getattr(message, name) for name in OPTIONAL_SAMPLING if message.HasField(name)}
     return SamplingParams(
@@ -130,7 +125,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         model_name=Path(config.model).name,
         model_type=model.model_type,
         vocab_size=model.vocab_size,
-        max_model_len=token_limit(engine),
+        max_model_len=engine.max_model_len,
         dtype=config.dtype,
         device=config.device,
         max_loras=config.max_loras,

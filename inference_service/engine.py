@@ -358,6 +358,11 @@ class Engine:
             }
 
     @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt plus output) one request may hold: the worker's limit or the model's."""
+        return min(self.config.max_model_len, self.runner.model_config.max_position_embeddings)
+
+    @property
     def has_work(self) -> bool:
         """Requests to run, or loads to install (a preloaded adapter lands without a request)."""
         return bool(self._inbox or self.scheduler.waiting or self.scheduler.running or self.host.loading)
@@ -508,7 +513,7 @@ class Engine:
         params, prompt = request.params, request.prompt_token_ids
         if not prompt:
             raise InvalidArgument("prompt_token_ids is empty")
-        limit = min(self.config.max_model_len, self.runner.model_config.max_position_embeddings)
+        limit = self.max_model_len
         if len(prompt) + params.max_tokens > limit:  # before the scan below, which is O(prompt)
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "

@@ -31,7 +31,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Tokenizing and templating take time in proportion to the prompt: in a thread, so the
             # event loop goes on serving every other call meanwhile.
             engine_request = await asyncio.to_thread(
-                convert.request, request, engine.tokenizer, convert.token_limit(engine)
+                convert.request, request, engine.tokenizer, engine.max_model_len
             )
             async for delta in engine.stream(engine_request):
                 if delta.error is not None:
