@@ -30,6 +30,12 @@ def parse_config(argv: list[str]) -> WorkerConfig:
     p.add_argument("--max-cpu-loras", type=int, default=8, help="adapters kept ready in host memory")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds one engine step may run before the worker exits",
+    )
     p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
     p.add_argument(
@@ -54,6 +60,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         max_cpu_loras=args.max_cpu_loras,
         max_num_seqs=args.max_num_seqs,
         kv_cache_tokens=args.kv_cache_tokens,
+        step_timeout_s=args.step_timeout,
     )
     return WorkerConfig(
         engine=engine,
@@ -74,7 +81,7 @@ def main() -> None:
         config = parse_config(sys.argv[1:])
     except LoramuxError as e:
         sys.exit(f"inference worker: {e}")
-    sys.exit(uvloop.run(serve(config)))
+    uvloop.run(serve(config))
 
 
 if __name__ == "__main__":

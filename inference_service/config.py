@@ -21,6 +21,7 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + generated tokens of one sequence (the model's limit caps it)
     kv_cache_tokens: int = 32768  # capacity of the paged KV cache, in token positions
     block_size: int = 16  # token positions per KV cache block
+    step_timeout_s: float = 60.0  # a step running longer is a hung engine: every request fails
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -38,6 +39,10 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.step_timeout_s > 0:
+            raise InvalidArgument(
+                f"step_timeout_s must be a positive number of seconds, got {self.step_timeout_s}"
+            )
         for name in ("max_loras", "max_cpu_loras"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative, got {getattr(self, name)}")

@@ -8,7 +8,8 @@ step (an event loop calls them): they post to an inbox the stepping thread appli
 of the next step. Adapter changes and snapshots take the step lock.
 
 Faults: an adapter whose weights cannot be copied into a slot, or a request whose logits come
-out NaN or Inf, fails only its own requests. Any other exception ends the engine thread: every
+out NaN or Inf, fails only its own requests. Any other exception ends the engine thread, and a
+step running past `step_timeout_s` (a hung device, a deadlock) is given up on by a watchdog: every
 request in flight or waiting ends with Unavailable, new ones are refused, and the `on_fatal`
 callbacks run, so the process can exit for its supervisor to restart it. No stream waits on a
 dead engine.
@@ -19,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -138,8 +140,10 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.RLock()  # held by a step, and by adapter changes and snapshots
         self._inbox: deque[Callable[[], None]] = deque()  # submits and aborts, for the next step
-        self._in_flight: set[str] = set()  # request ids submitted and not finished
+        # submitted and not finished, by request id: what a dead engine must still answer
+        self._in_flight: dict[str, _Tracked] = {}
         self._ids_lock = threading.Lock()
+        self._step_started: float | None = None  # monotonic time the step in progress began
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._fatal: Unavailable | None = None  # set once the engine thread died; refuses submits
@@ -225,8 +229,8 @@ class Engine:
                 raise self._fatal
             if request.request_id in self._in_flight:
                 raise InvalidArgument(f"request id {request.request_id!r} is already in flight")
-            self._in_flight.add(request.request_id)
-            self._post(lambda: self._admit(_Tracked(seq, detokenizer, sink)))
+            tracked = self._in_flight[request.request_id] = _Tracked(seq, detokenizer, sink)
+            self._post(lambda: self._admit(tracked))
 
     def abort(self, request_id: str) -> None:
         """Finish the request at the next step: its KV blocks and slot reference are freed then."""
@@ -284,6 +288,7 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch_steps, name="engine-watchdog", daemon=True).start()
 
     def stop(self) -> None:
         self._stopping = True
@@ -303,7 +308,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
+            while not self._stopping and self._fatal is None:
                 if self.has_work:
                     self.step()
                 else:
@@ -313,20 +318,29 @@ class Engine:
             log.exception("the engine failed; ending every request with UNAVAILABLE")
             self._die(Unavailable(f"the worker's engine failed ({_brief(e)}); retry on another worker"))
 
+    def _watch_steps(self) -> None:
+        """Gives up on the engine when one step runs past step_timeout_s."""
+        limit = self.config.step_timeout_s
+        while not self._stopping and self._fatal is None:
+            time.sleep(min(1.0, limit / 4))
+            started = self._step_started
+            if started is not None and time.monotonic() - started > limit:
+                log.error("an engine step has run for over %g s; giving up on the engine", limit)
+                self._die(Unavailable(f"the worker's engine failed (a step ran past {limit:g} s); retry"))
+
     def _die(self, error: Unavailable) -> None:
-        """Refuse new requests, then end every request already submitted with `error`."""
+        """Refuse new requests, then end every request already submitted with `error`. Takes no
+        step lock: a step that hangs may hold it for good."""
         with self._ids_lock:
+            if self._fatal is not None:
+                return
             self._fatal = error
+            doomed, self._in_flight = list(self._in_flight.values()), {}
             callbacks = list(self._on_fatal)  # a callback added from now on runs at once instead
-        with self._lock:
-            while self._inbox:
-                with contextlib.suppress(Exception):  # an abort may trip on the broken state; ended below
-                    self._inbox.popleft()()
-            for tracked in list(self._tracked.values()):
-                seq = tracked.seq
-                prompt, output = len(seq.prompt_token_ids), len(seq.output_token_ids)
-                tracked.sink(Delta(seq.request_id, [], "", [], "error", prompt, output, error))
-            self._tracked.clear()
+        for tracked in doomed:
+            seq = tracked.seq
+            prompt, output = len(seq.prompt_token_ids), len(seq.output_token_ids)
+            tracked.sink(Delta(seq.request_id, [], "", [], "error", prompt, output, error))
         for callback in callbacks:
             callback(error)
 
@@ -370,8 +384,12 @@ class Engine:
     # --- one step -------------------------------------------------------------------------
 
     def step(self) -> None:
-        with self._lock:
-            ran = self._step_locked()
+        self._step_started = time.monotonic()
+        try:
+            with self._lock:
+                ran = self._step_locked()
+        finally:
+            self._step_started = None
         if not ran and self.host.loading:
             self._wakeup.wait(0.005)  # only loads are pending: wait for one, or for a submit
             self._wakeup.clear()
@@ -481,7 +499,7 @@ class Engine:
         self.scheduler.finish(seq, reason)
         del self._tracked[seq.request_id]
         with self._ids_lock:
-            self._in_flight.discard(seq.request_id)
+            self._in_flight.pop(seq.request_id, None)
         self.metrics.requests[(seq.adapter or "", reason)] += 1
         self.metrics.prompt_tokens += len(seq.prompt_token_ids)
         self.metrics.generation_tokens += len(seq.output_token_ids)

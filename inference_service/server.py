@@ -6,6 +6,7 @@ supervisor to restart it."""
 
 import asyncio
 import logging
+import os
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -29,8 +30,8 @@ KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 1
 CHANNEL_OPTIONS = [*KEEPALIVE, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]  # the store link
 
 
-async def serve(config: WorkerConfig) -> int:
-    """Serve until SIGTERM (exit status 0) or an engine failure (1)."""
+async def serve(config: WorkerConfig) -> None:
+    """Serve until SIGTERM (then return) or an engine failure (then exit the process with 1)."""
     admission = Admission(config.max_pending)
     servicer = InferenceServicer(admission)
     server, health = await _start_server(config, servicer)
@@ -48,13 +49,12 @@ async def serve(config: WorkerConfig) -> int:
     signalled.cancel()
     if failed.done():
         await _shut_after_failure(failed.result(), server, health, admission)
-    else:
-        await _drain(config, server, health, admission, engine)
+        _exit_now(1)
+    await _drain(config, server, health, admission, engine)
     if watch is not None:
         watch.stop()
     if store is not None:
         store.close()
-    return 1 if failed.done() else 0
 
 
 def _engine_failure(engine: Engine) -> asyncio.Future:
@@ -110,6 +110,12 @@ async def _shut_after_failure(error: Exception, server, health, admission: Admis
     await health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
     await admission.drained(FAILURE_GRACE_S)
     await server.stop(FAILURE_GRACE_S)
+
+
+def _exit_now(status: int) -> None:
+    """Exit without joining threads: a hung step, and any snapshot waiting on its lock, never end."""
+    logging.shutdown()
+    os._exit(status)
 
 
 async def _drain(config, server, health, admission: Admission, engine: Engine) -> None:

@@ -1,7 +1,9 @@
-"""`python -m tests.e2e.faulty_worker ARGS`: the inference worker whose model forward raises
-after $LORAMUX_FAULT_AFTER_STEPS steps, as a GPU that hits a device error mid-run would."""
+"""`python -m tests.e2e.faulty_worker ARGS`: the inference worker whose model forward, after
+$LORAMUX_FAULT_AFTER_STEPS steps, raises (LORAMUX_FAULT=raise) as a GPU that hits a device error
+would, or never returns (LORAMUX_FAULT=hang) as a hung device would."""
 
 import os
+import threading
 
 from inference_service import __main__ as worker
 from inference_service.model_runner import ModelRunner
@@ -11,12 +13,15 @@ FAULT = "injected fault: CUDA error: an illegal memory access was encountered"
 
 def main() -> None:
     steps_left = int(os.environ["LORAMUX_FAULT_AFTER_STEPS"])
+    hang = os.environ["LORAMUX_FAULT"] == "hang"
     forward = ModelRunner.forward
 
     def failing_forward(self, *args, **kwargs):
         nonlocal steps_left
         steps_left -= 1
         if steps_left < 0:
+            if hang:
+                threading.Event().wait()
             raise RuntimeError(FAULT)
         return forward(self, *args, **kwargs)
 

@@ -1,10 +1,12 @@
-"""A worker process whose engine fails mid-run: its streams end with UNAVAILABLE at once, health
-turns NOT_SERVING and the process exits non-zero for its supervisor to restart it."""
+"""A worker process whose engine fails mid-run, by an exception or by a step that never returns:
+its streams end with UNAVAILABLE at once (within the step timeout for a hung step), health turns
+NOT_SERVING and the process exits non-zero for its supervisor to restart it."""
 
 import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
@@ -13,6 +15,7 @@ from tests.adapter_store.conftest import spawn
 from tests.e2e.faulty_worker import FAULT
 
 STREAMS = 3
+STEP_TIMEOUT_S = 2.0
 
 
 def _stream(stub, prompt: list[int], out: dict) -> None:
@@ -37,9 +40,17 @@ def _watch(health, statuses: list) -> None:
         statuses.append("closed")
 
 
-def test_an_engine_fault_ends_every_stream_with_unavailable_and_the_worker_exits_1(tiny_models, tmp_path):
-    env = {"LORAMUX_FAULT_AFTER_STEPS": "40", "LORAMUX_CACHE": str(tmp_path)}
+# (fault, what the streams' status names, how long after their last message they may end)
+FAULTS = [("raise", FAULT, 1.0), ("hang", f"a step ran past {STEP_TIMEOUT_S:g} s", STEP_TIMEOUT_S + 1.5)]
+
+
+@pytest.mark.parametrize(("fault", "named", "within_s"), FAULTS, ids=[f[0] for f in FAULTS])
+def test_an_engine_fault_ends_every_stream_with_unavailable_and_the_worker_exits_1(
+    tiny_models, tmp_path, fault, named, within_s
+):
+    env = {"LORAMUX_FAULT": fault, "LORAMUX_FAULT_AFTER_STEPS": "40", "LORAMUX_CACHE": str(tmp_path)}
     args = ["--listen", "127.0.0.1:0", "--model", str(tiny_models["llama"])]
+    args += ["--step-timeout", str(STEP_TIMEOUT_S)]
     process, address = spawn("tests.e2e.faulty_worker", args, env, tmp_path / "worker.log")
     with grpc.insecure_channel(address) as channel:
         statuses: list = []
@@ -62,8 +73,10 @@ def test_an_engine_fault_ends_every_stream_with_unavailable_and_the_worker_exits
     assert process.wait(timeout=30) == 1
     for r in results:
         assert r["code"] == grpc.StatusCode.UNAVAILABLE, r
-        assert "engine failed" in r["details"] and FAULT in r["details"]
-        assert r["ended"] - r["last_message"] < 1.0  # no stream waits on a dead engine
+        assert "engine failed" in r["details"] and named in r["details"]
+        assert r["ended"] - r["last_message"] < within_s  # no stream waits on a dead engine
     after_ready = statuses[statuses.index(serving) :]
     assert health_pb2.HealthCheckResponse.NOT_SERVING in after_ready, statuses
-    assert "Traceback" in (tmp_path / "worker.log").read_text()
+    assert ("Traceback" if fault == "raise" else "giving up on the engine") in (
+        tmp_path / "worker.log"
+    ).read_text()

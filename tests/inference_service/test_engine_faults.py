@@ -4,6 +4,7 @@ ends every request with UNAVAILABLE and refuses new ones, never leaving a stream
 import errno
 import queue
 import shutil
+import threading
 from dataclasses import replace
 
 import pytest
@@ -187,3 +188,33 @@ def test_a_load_that_fails_on_the_workers_disk_is_unavailable_and_fails_only_its
     assert base.error is None and len(base.token_ids) == 6
     assert isinstance(cold.error, Unavailable) and "No space left on device" in str(cold.error)
     _assert_idle(engine)
+
+
+def test_a_step_that_never_returns_ends_every_request_at_the_step_timeout(
+    tiny_models, tiny_adapters, monkeypatch
+):
+    engine = _engine(tiny_models, tiny_adapters, step_timeout_s=0.5)
+    forward, calls, released = engine.runner.forward, [], threading.Event()
+
+    def hanging_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            released.wait()  # a hung device: the step holds the engine's lock until the test ends
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", hanging_forward)
+    ended: queue.Queue = queue.Queue()
+    requests = _requests([(None, [5, 6], 50), ("all8", [7, 8], 50)])
+    for r in requests:
+        engine.submit(r, lambda d: d.finish_reason and ended.put(d))
+    engine.start()
+    try:
+        finals = [ended.get(timeout=10) for _ in requests]
+        assert all(
+            isinstance(d.error, Unavailable) and "a step ran past 0.5 s" in str(d.error) for d in finals
+        )
+        with pytest.raises(Unavailable):
+            engine.submit(_requests([(None, [5], 2)])[0], lambda d: None)
+    finally:
+        released.set()
+        engine.stop()
