@@ -146,7 +146,7 @@ class Engine:
         self._step_started: float | None = None  # monotonic time the step in progress began
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._fatal: Unavailable | None = None  # set once the engine thread died; refuses submits
+        self._fatal: Unavailable | None = None  # set once the engine died or was given up on
         self._on_fatal: list[Callable[[Unavailable], None]] = []
         self.metrics = EngineMetrics()
 
