@@ -9,7 +9,7 @@ PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 .PHONY: run test lint protos bench clean
 
 run: .venv/.runtime shared/pb/.built
-	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo
+	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo.demo
 
 test: .venv/.test shared/pb/.built
 	$(PY) -m ruff check .

@@ -22,7 +22,7 @@ import grpc
 
 from bench.cache import default_model_dir
 from bench.local_stack import start, wait_ready
-from inference_service.tokenizer import Tokenizer
+from inference_service.engine.tokenizer import Tokenizer
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 

@@ -15,10 +15,10 @@ import torch
 
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
-from inference_service.config import EngineConfig
-from inference_service.forward_batch import SequenceInput
-from inference_service.kv_cache import BlockAllocator
-from inference_service.model_runner import ModelRunner
+from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.model_runner import ModelRunner
+from inference_service.model.forward_batch import SequenceInput
 from shared.peft_checkpoint import load_peft_adapter
 
 SEQUENCES, ADAPTERS, ADAPTER_RANK, CONTEXT = 32, 8, 8, 64

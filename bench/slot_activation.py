@@ -16,8 +16,8 @@ import torch
 
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
-from inference_service.config import EngineConfig
-from inference_service.model_runner import ModelRunner
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.model_runner import ModelRunner
 from shared.peft_checkpoint import AdapterWeights, load_peft_adapter
 
 RANK = 16

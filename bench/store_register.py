@@ -24,7 +24,7 @@ from moto.server import ThreadedMotoServer
 from bench.cache import default_model_dir
 from bench.local_stack import start
 from bench.random_adapter import write_random_adapter
-from inference_service.store_loader import StoreAdapterLoader
+from inference_service.adapters.store_loader import StoreAdapterLoader
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc

@@ -1,1 +1,3 @@
-"""The inference worker: model runtime, LoRA layers, slot pool, scheduler, engine, gRPC servicer."""
+"""The inference worker, in rooms that show its layers: model/ (the model runtime), engine/
+(batching, scheduling, sampling), adapters/ (loading adapters into host memory), server/ (gRPC),
+demo/ (the demo and its adapters)."""

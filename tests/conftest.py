@@ -34,7 +34,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
     """The default model's tokenizer, loaded once."""
-    from inference_service.tokenizer import Tokenizer
+    from inference_service.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(default_model_dir)
 

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.random_adapter import write_random_adapter
-from inference_service.host_tier import ReadyAdapter
+from inference_service.adapters.host_tier import ReadyAdapter
 from shared import adapter_blob
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb

@@ -5,8 +5,8 @@ would, or never returns (LORAMUX_FAULT=hang) as a hung device would."""
 import os
 import threading
 
-from inference_service import __main__ as worker
-from inference_service.model_runner import ModelRunner
+from inference_service.engine.model_runner import ModelRunner
+from inference_service.server import main as worker
 
 FAULT = "injected fault: CUDA error: an illegal memory access was encountered"
 

@@ -13,10 +13,10 @@ import grpc
 import pytest
 import torch
 
-from inference_service.blob_fetch import FetchLimits
+from inference_service.adapters.blob_fetch import FetchLimits
+from inference_service.adapters.store_loader import StoreAdapterLoader
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
-from inference_service.store_loader import StoreAdapterLoader
 from shared import adapter_blob
 from shared.model_config import ModelConfig
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb

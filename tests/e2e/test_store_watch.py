@@ -7,8 +7,8 @@ import time
 import grpc
 import torch
 
-from inference_service.store_loader import StoreAdapterLoader
-from inference_service.store_watch import StoreWatch
+from inference_service.adapters.store_loader import StoreAdapterLoader
+from inference_service.server.store_watch import StoreWatch
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
 from tests.adapter_store.conftest import AUTH

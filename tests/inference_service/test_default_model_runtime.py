@@ -4,10 +4,10 @@ on the same folder, and the generation a user expects."""
 import pytest
 import torch
 
-from inference_service.config import EngineConfig
 from inference_service.engine import Engine, Request
-from inference_service.forward_batch import SequenceInput
-from inference_service.model_runner import ModelRunner
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.model_runner import ModelRunner
+from inference_service.model.forward_batch import SequenceInput
 from inference_service.sampling import SamplingParams
 
 

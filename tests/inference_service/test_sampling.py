@@ -14,15 +14,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from inference_service.sampling import (
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingBatch,
-    SamplingParams,
-    generator_for,
-    sample,
-)
+from inference_service.engine.sampler import SamplingBatch, generator_for, sample
+from inference_service.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from shared.errors import InvalidArgument
 
 INVALID = [

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from inference_service.rope import inverse_frequencies
+from inference_service.model.rope import inverse_frequencies
 from shared.errors import FailedPrecondition
 from shared.model_config import ModelConfig
 

@@ -1,0 +1,8 @@
+"""The engine: continuous batching of requests over the model, with a scheduler, a block allocator,
+device LoRA slots, a model runner, a sampler and incremental detokenizing. What it exports here is
+the in-process API of DESIGN.md."""
+
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.engine import AdapterState, Delta, Engine, Request, RequestOutput
+
+__all__ = ["AdapterState", "Delta", "Engine", "EngineConfig", "Request", "RequestOutput"]

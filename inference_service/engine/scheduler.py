@@ -1,0 +1,115 @@
+"""Scheduler: which sequences run in the next step, and how many tokens each.
+
+FCFS under max_num_seqs, max_num_batched_tokens and the KV cache, plus the LoRA rule: every
+running adapter holds a device slot, so at most max_loras distinct adapters share a step.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from inference_service.adapters.host_tier import HostTier, ReadyAdapter
+from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.sequence import Sequence, Status
+from inference_service.engine.slots import SlotPool
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    chunks: list[ScheduledChunk]
+    activations: list[tuple[int, ReadyAdapter]]  # (slot, adapter) to copy in before the step
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        allocator: BlockAllocator,
+        slots: SlotPool,
+        host: HostTier,
+    ):
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.block_size = block_size
+        self.allocator, self.slots, self.host = allocator, slots, host
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Schedule:
+        budget = self.max_num_batched_tokens
+        chunks = []
+        for seq in self.running:
+            n = (
+                min(len(seq.prompt_token_ids) - seq.num_computed, budget)
+                if seq.in_prefill
+                else min(1, budget)
+            )
+            if n > 0:
+                chunks.append(ScheduledChunk(seq, n))
+                budget -= n
+        activations: list[tuple[int, ReadyAdapter]] = []
+        self._admit(budget, chunks, activations)
+        return Schedule(chunks, activations)
+
+    def _admit(self, budget: int, chunks: list, activations: list) -> None:
+        """Admit waiting sequences in arrival order. A sequence whose adapter is still loading is
+        skipped (nothing waits for a load). When the oldest admissible one finds no free slot,
+        the least recently acquired busy slot is drained: nobody new joins it, so it frees up
+        and that sequence gets it; later sequences on other slots keep being admitted."""
+        drain: int | None = None
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            ready = self.host.get(seq.adapter) if seq.adapter else None
+            if seq.adapter and ready is None:
+                continue
+            if self._blocks_for(seq) > self.allocator.num_free:
+                return  # strict FCFS on memory: smaller requests do not overtake a big one
+            if ready is not None and not self._slot_available(ready.digest, drain):
+                drain = self.slots.lru_busy_slot() if drain is None else drain
+                continue
+            n = min(len(seq.prompt_token_ids), budget)
+            self._start(seq, ready, activations)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+
+    def _blocks_for(self, seq: Sequence) -> int:
+        """KV blocks for every position the sequence can reach, reserved at admission."""
+        return -(-seq.max_len // self.block_size)
+
+    def _slot_available(self, digest: str, drain: int | None) -> bool:
+        resident = self.slots.resident(digest)
+        if resident is not None:
+            return resident != drain
+        return self.slots.can_acquire(digest, avoid=drain)
+
+    def _start(self, seq: Sequence, ready: ReadyAdapter | None, activations: list) -> None:
+        self.waiting.remove(seq)
+        seq.block_table = self.allocator.allocate(self._blocks_for(seq))
+        if ready is not None:
+            seq.slot, activate = self.slots.acquire(ready.digest)
+            if activate:
+                activations.append((seq.slot, ready))
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Free what the sequence holds; safe for waiting and running sequences alike."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.allocator.free(seq.block_table)
+            if seq.slot >= 0:
+                self.slots.release(seq.slot)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.block_table, seq.slot = [], -1
+        seq.status, seq.finish_reason = Status.FINISHED, reason

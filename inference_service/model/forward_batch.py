@@ -1,0 +1,60 @@
+"""The flattened token batch of one step, with all per-step metadata built once."""
+
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.model.attention import AttentionMetadata, SequenceChunk
+from kernels.lora_batch import LoraBatch
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's part of a step: its new tokens, how many it already has in the KV cache,
+    the cache blocks that hold (and will hold) its positions, and the adapter slot its tokens
+    use (-1 = base model)."""
+
+    token_ids: list[int]
+    cached: int
+    block_table: list[int]
+    slot: int = -1
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    attention: AttentionMetadata
+    lora: LoraBatch | None  # None when no token uses an adapter
+    logit_rows: torch.Tensor  # [rows] which hidden rows get logits (last token per sequence, or all)
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[SequenceInput],
+        block_size: int,
+        sliding_window: int | None,
+        device: torch.device | str,
+        all_logits: bool = False,
+        slot_ranks: list[int] | None = None,
+    ) -> "ForwardBatch":
+        """slot_ranks[s]: the rank of the adapter in slot s, so kernels skip padded ranks."""
+        chunks, token_ids, slots, start = [], [], [], 0
+        for s in seqs:
+            chunks.append(SequenceChunk(s.block_table, s.cached, len(s.token_ids), start))
+            token_ids += s.token_ids
+            slots += [s.slot] * len(s.token_ids)
+            start += len(s.token_ids)
+        attention = AttentionMetadata.build(chunks, block_size, sliding_window, device)
+        last_rows = [c.token_start + c.num_tokens - 1 for c in chunks]
+        return cls(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+            positions=attention.positions,
+            attention=attention,
+            lora=LoraBatch.build(slots, device, slot_ranks=slot_ranks)
+            if any(s >= 0 for s in slots)
+            else None,
+            logit_rows=torch.arange(start, device=device)
+            if all_logits
+            else torch.tensor(last_rows, dtype=torch.int64, device=device),
+        )

@@ -1,0 +1,122 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, with LoRA on every linear."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_service.model.attention import attend
+from inference_service.model.forward_batch import ForwardBatch
+from inference_service.model.kv_cache import KVCache
+from inference_service.model.lora_linear import LoRALinear
+from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
+from shared.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 whatever the serving dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, lora_dims: tuple[int, int], dtype, device):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        kv = cfg.kv_size
+        self.qkv_proj = LoRALinear(
+            cfg.hidden_size, (cfg.q_size, kv, kv), cfg.qkv_bias, *lora_dims, dtype, device
+        )
+        self.o_proj = LoRALinear(cfg.q_size, (cfg.hidden_size,), cfg.o_bias, *lora_dims, dtype, device)
+
+    def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
+        cfg, tokens = self.cfg, x.shape[0]
+        qkv = self.qkv_proj(x, batch.lora)  # [tokens, q + 2 kv]
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q = apply_rope(q.view(tokens, cfg.num_heads, cfg.head_dim), cos, sin)  # [tokens, heads, hd]
+        k = apply_rope(k.view(tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [tokens, kv_heads, hd]
+        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        o = attend(q, k, v, cache, self.layer, batch.attention, cfg.head_dim**-0.5)  # [tokens, heads, hd]
+        return self.o_proj(o.reshape(tokens, cfg.q_size), batch.lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, lora_dims: tuple[int, int], dtype, device):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = LoRALinear(
+            cfg.hidden_size, (inter, inter), cfg.mlp_bias, *lora_dims, dtype, device
+        )
+        self.down_proj = LoRALinear(inter, (cfg.hidden_size,), cfg.mlp_bias, *lora_dims, dtype, device)
+
+    def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)  # [tokens, inter] each
+        return self.down_proj(F.silu(gate) * up, batch.lora)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, lora_dims: tuple[int, int], dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, layer, lora_dims, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, lora_dims, dtype, device)
+
+    def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
+
+
+class LlamaModel(nn.Module):
+    """Weights are allocated empty; `inference_service.model.weights.load_weights` fills them."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        lora_dims = (max_loras, max_lora_rank)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, lora_dims, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens.weight
+            if cfg.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+        )
+        self.register_buffer(
+            "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim).to(device), persistent=False
+        )
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Returns logits [logit_rows, vocab] in fp32."""
+        x = self.embed_tokens(batch.token_ids)  # [tokens, hidden]
+        cos, sin = cos_sin(self.inv_freq, batch.positions, x.dtype)  # [tokens, hd] each, for every layer
+        for layer in self.layers:
+            x = layer(x, batch, cache, cos, sin)
+        x = self.norm(x[batch.logit_rows])  # [rows, hidden]
+        return F.linear(x, self.lm_head).float()  # [rows, vocab]
+
+    def lora_linears(self) -> dict[tuple[int, str], LoRALinear]:
+        """(layer, packed module name) -> the layer's LoRALinear."""
+        found = {}
+        for i, layer in enumerate(self.layers):
+            for name, module in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
+                found[(i, name)] = module
+        return found

@@ -1,0 +1,164 @@
+"""Proto <-> domain conversion for the InferenceService, in one place."""
+
+from pathlib import Path
+
+from inference_service.engine import AdapterState, Delta, Engine, Request
+from inference_service.engine.tokenizer import Tokenizer
+from inference_service.sampling import SamplingParams
+from shared.errors import InvalidArgument
+from shared.names import check_adapter_id
+from shared.pb.loramux.inference.v1 import inference_pb2 as pb
+
+MAX_REQUEST_ID_CHARS = 256  # a label for the caller's logs; longer than any id scheme writes
+OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+LOCATIONS = {
+    "device": pb.ADAPTER_LOCATION_DEVICE,
+    "host": pb.ADAPTER_LOCATION_HOST,
+    "loading": pb.ADAPTER_LOCATION_LOADING,
+}
+
+
+def request(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int) -> Request:
+    """The engine's request. The cheap checks come first and the prompt is tokenized last, in time
+    proportional to a prompt already bounded by `max_model_len`. The client's request_id is a label
+    only: the engine's key is always a fresh id, so no caller can collide with another's."""
+    label = message.request_id
+    if len(label) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id is {len(label)} characters long; at most {MAX_REQUEST_ID_CHARS}")
+    adapter = check_adapter_id(message.adapter) if message.adapter else None
+    params = sampling(message.sampling)
+    return Request(prompt_ids(message, tokenizer, max_model_len), adapter, params)
+
+
+def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int) -> list[int]:
+    kind = message.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("GenerateRequest has no input: set text, token_ids or chat")
+    if kind == "token_ids":
+        ids = message.token_ids.ids
+        if len(ids) > max_model_len:  # before the engine looks at each id
+            raise InvalidArgument(f"prompt has {len(ids)} token ids; max_model_len is {max_model_len}")
+        return list(ids)
+    if tokenizer is None:
+        raise InvalidArgument(f"this model has no tokenizer, so {kind} input cannot be used; send token_ids")
+    if kind == "text":
+        text = message.text
+        _check_prompt_bytes("text prompt", _utf8_bytes(text), tokenizer, max_model_len)
+        return tokenizer.encode(text)
+    chat = message.chat.messages
+    if not chat:
+        raise InvalidArgument("chat input has no messages")
+    if len(chat) > max_model_len:  # every chat template writes at least one token per message
+        raise InvalidArgument(f"chat input has {len(chat)} messages; max_model_len is {max_model_len} tokens")
+    size = sum(_utf8_bytes(m.role) + _utf8_bytes(m.content) for m in chat)
+    _check_prompt_bytes("chat input (roles and contents)", size, tokenizer, max_model_len)
+    messages = [{"role": m.role, "content": m.content} for m in chat]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))  # isascii() is O(1)
+
+
+def _check_prompt_bytes(what: str, size: int, tokenizer: Tokenizer, max_model_len: int) -> None:
+    """Refuses, without tokenizing it, a prompt too long to fit max_model_len tokens whatever its text."""
+    bound = max_model_len * tokenizer.max_token_bytes
+    if size > bound:
+        raise InvalidArgument(
+            f"{what} is {size} bytes; at most {bound} bytes can fit max_model_len {max_model_len} "
+            f"tokens (no token of this model stands for more than {tokenizer.max_token_bytes} bytes)"
+        )
+
+
+def sampling(message: pb.SamplingParams) -> SamplingParams:
+    given = {name: getattr(message, name) for name in OPTIONAL_SAMPLING if message.HasField(name)}
+    return SamplingParams(
+        **given,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs,
+    )
+
+
+def delta(d: Delta) -> pb.GenerateResponse:
+    logprobs = [
+        pb.TokenLogprob(
+            token_id=token, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+        )
+        for token, lp in zip(d.token_ids, d.logprobs, strict=False)
+    ]
+    return pb.GenerateResponse(delta=pb.Delta(token_ids=d.token_ids, text=d.text, logprobs=logprobs))
+
+
+def final(d: Delta, first_token_s: float, total_s: float) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        final=pb.Final(
+            finish_reason=FINISH_REASONS[d.finish_reason],
+            usage=pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens),
+            timings=pb.Timings(time_to_first_token_s=first_token_s, total_s=total_s),
+        )
+    )
+
+
+def adapters(states: list[AdapterState]) -> pb.ListAdaptersResponse:
+    return pb.ListAdaptersResponse(
+        adapters=[
+            pb.WorkerAdapter(
+                adapter_id=s.name, digest=s.digest, location=LOCATIONS[s.location], pinned=s.pinned
+            )
+            for s in states
+        ]
+    )
+
+
+def model_info(engine: Engine) -> pb.ModelInfo:
+    config, model = engine.config, engine.runner.model_config
+    tokenizer = engine.tokenizer
+    return pb.ModelInfo(
+        model_name=Path(config.model).name,
+        model_type=model.model_type,
+        vocab_size=model.vocab_size,
+        max_model_len=engine.max_model_len,
+        dtype=config.dtype,
+        device=config.device,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        eos_token_ids=tokenizer.eos_token_ids if tokenizer else model.eos_token_ids,
+        has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+    )
+
+
+def stats(snapshot: dict, in_flight: int) -> pb.Stats:
+    load = snapshot["adapter_load_seconds"]
+    host, slots = snapshot["host_tier"], snapshot["slots"]
+    return pb.Stats(
+        requests=[
+            pb.RequestCount(adapter_id=adapter, outcome=outcome, count=count)
+            for (adapter, outcome), count in sorted(snapshot["requests"].items())
+        ],
+        prompt_tokens=snapshot["prompt_tokens"],
+        generation_tokens=snapshot["generation_tokens"],
+        waiting=snapshot["queue_depth"],
+        running=snapshot["running"],
+        in_flight=in_flight,
+        kv_blocks_used=snapshot["kv_blocks"]["used"],
+        kv_blocks_total=snapshot["kv_blocks"]["total"],
+        active_slots=slots["active"],
+        slot_activations=slots["activations"],
+        slot_evictions=slots["evictions"],
+        host_hits=host["hits"],
+        host_misses=host["misses"],
+        host_evictions=host["evictions"],
+        host_adapters=host["size"],
+        adapter_load_seconds=pb.Histogram(
+            bounds=load.buckets, counts=load.counts, sum=load.total, count=load.count
+        ),
+    )

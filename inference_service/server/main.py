@@ -1,0 +1,87 @@
+"""The worker's command line, run by `python -m inference_service`: flags and environment to a
+WorkerConfig, then serve.
+
+python -m inference_service --listen HOST:PORT --store HOST:PORT --model DIR [--device cpu|cuda]
+[--dtype float32|bfloat16|float16] [--max-loras N] [--max-lora-rank R] [--max-cpu-loras M]"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvloop
+
+from inference_service.adapters.blob_fetch import FetchLimits
+from inference_service.default_model import prepare_default_model
+from inference_service.engine.config import EngineConfig
+from inference_service.server.server import serve
+from inference_service.server.worker_config import DEFAULT_MAX_MESSAGE_BYTES, WorkerConfig
+from shared.dtypes import DTYPES
+from shared.errors import LoramuxError
+
+
+def parse_config(argv: list[str]) -> WorkerConfig:
+    p = argparse.ArgumentParser(prog="python -m inference_service", description="A loramux inference worker.")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0 picks a free one)")
+    p.add_argument("--store", help="adapter store HOST:PORT (none: base model only)")
+    p.add_argument("--model", help="HF model folder (default: SmolLM2-135M-Instruct under $LORAMUX_CACHE)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--max-loras", type=int, default=4, help="device slots: distinct adapters per step")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-cpu-loras", type=int, default=8, help="adapters kept ready in host memory")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds one engine step may run before the worker exits",
+    )
+    p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest request message taken in (default 4 MiB); longer ones are refused unread",
+    )
+    p.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest adapter blob fetched")
+    p.add_argument("--fetch-idle-timeout", type=float, default=10.0, help="seconds a fetch may go silent")
+    p.add_argument("--fetch-timeout", type=float, default=120.0, help="seconds one adapter fetch may take")
+    p.add_argument("--api-token", default=os.environ.get("LORAMUX_API_TOKEN"), help="token Generate needs")
+    args = p.parse_args(argv)
+    cache = Path(os.environ.get("LORAMUX_CACHE", ".cache"))
+    model = args.model or str(prepare_default_model(cache))
+    engine = EngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_tokens=args.kv_cache_tokens,
+        step_timeout_s=args.step_timeout,
+    )
+    return WorkerConfig(
+        engine=engine,
+        cache_dir=cache / "adapters",
+        listen=args.listen,
+        store=args.store,
+        api_token=args.api_token,
+        max_pending=args.max_pending,
+        drain_timeout_s=args.drain_timeout,
+        max_message_bytes=args.max_message_bytes,
+        fetch=FetchLimits(args.max_adapter_bytes, args.fetch_idle_timeout, args.fetch_timeout),
+    )
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(sys.argv[1:])
+    except LoramuxError as e:
+        sys.exit(f"inference worker: {e}")
+    uvloop.run(serve(config))

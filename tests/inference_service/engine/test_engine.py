@@ -1,0 +1,327 @@
+"""The engine against PEFT's own generate, and the behaviour of adapter tiers under pressure."""
+
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+from inference_service.adapters.local_loader import LocalAdapterLoader
+from inference_service.engine import Engine, EngineConfig, Request
+from inference_service.sampling import SamplingParams
+from shared.errors import NotFound
+from shared.model_config import ModelConfig
+
+# (adapter, prompt length, max_tokens, step at which it arrives)
+WORKLOAD = [
+    ("all8", 7, 9, 0),
+    (None, 5, 6, 0),
+    ("qv4", 11, 12, 0),
+    ("mlp16rs", 3, 5, 1),
+    ("re2", 8, 10, 2),
+    ("pattern", 6, 7, 2),
+    (None, 9, 4, 3),
+    ("all8", 4, 11, 5),
+    ("qv4", 2, 8, 5),
+    ("re2", 13, 6, 8),
+]
+
+
+def _prompts(n_tokens: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 160, (n,), generator=gen).tolist() for n in n_tokens]
+
+
+def _peft_greedy(model_dir, adapter_dirs, adapter, prompt, max_tokens, eos) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dirs[adapter], adapter_name=adapter) if adapter else base
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+@pytest.fixture(scope="module")
+def peft_reference(tiny_models, tiny_adapters):
+    """Greedy tokens of every WORKLOAD request, each generated alone by transformers + PEFT."""
+    prompts = _prompts([n for _, n, _, _ in WORKLOAD])
+    return prompts, [
+        _peft_greedy(tiny_models["llama"], tiny_adapters["llama"], adapter, prompt, max_tokens, eos=2)
+        for (adapter, _, max_tokens, _), prompt in zip(WORKLOAD, prompts, strict=True)
+    ]
+
+
+def _engine(tiny_models, tiny_adapters, loader=None, **config) -> Engine:
+    config = {"max_loras": 4, "max_cpu_loras": 8, "kv_cache_tokens": 1024, "block_size": 4, **config}
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), **config), loader)
+    for name, folder in tiny_adapters["llama"].items():
+        engine.add_adapter(name, folder)
+    return engine
+
+
+def _run_staggered(engine: Engine, prompts) -> dict[str, list[int]]:
+    """Submit each request at its arrival step, then step until all finish."""
+    outputs: dict[str, list] = {}
+    step = 0
+    while step <= max(a for *_, a in WORKLOAD) or engine.has_work:
+        for i, (adapter, _, max_tokens, arrival) in enumerate(WORKLOAD):
+            if arrival == step:
+                outputs[str(i)] = []
+                request = Request(
+                    prompts[i],
+                    adapter,
+                    SamplingParams(max_tokens=max_tokens, temperature=0),
+                    request_id=str(i),
+                )
+                engine.submit(request, outputs[str(i)].append)
+        engine.step()
+        step += 1
+    return {rid: [t for d in deltas for t in d.token_ids] for rid, deltas in outputs.items()}
+
+
+@pytest.mark.parametrize(("max_loras", "max_cpu_loras"), [(4, 8), (2, 2), (1, 1)])
+def test_staggered_mixed_adapters_equal_peft_alone(
+    tiny_models, tiny_adapters, peft_reference, max_loras, max_cpu_loras
+):
+    prompts, expected = peft_reference
+    engine = _engine(
+        tiny_models,
+        tiny_adapters,
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras,
+        max_num_batched_tokens=16,
+    )
+    got = _run_staggered(engine, prompts)
+    for i, tokens in enumerate(expected):
+        assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
+    _assert_idle(engine)
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_equals_peft_and_keeps_host_adapters_pinned(
+    tiny_models, tiny_adapters, peft_reference
+):
+    prompts, expected = peft_reference
+    engine = _engine(tiny_models, tiny_adapters, device="cuda", max_loras=2, max_num_batched_tokens=16)
+    got = _run_staggered(engine, prompts)
+    for i, tokens in enumerate(expected):
+        assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
+    ready = [engine.host.get(name) for name in tiny_adapters["llama"]]
+    assert all(m.a.is_pinned() and m.b_t.is_pinned() for r in ready for m in r.weights.modules.values())
+    _assert_idle(engine)
+
+
+def _assert_idle(engine: Engine) -> None:
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
+    assert engine.slots.active == 0
+
+
+def test_waiting_adapter_is_not_starved_by_a_stream_of_resident_requests(tiny_models, tiny_adapters):
+    engine = _engine(tiny_models, tiny_adapters, max_loras=1, max_num_seqs=8)
+    finished: dict[str, int] = {}
+
+    def submit(rid, adapter):
+        def sink(delta):
+            if delta.finish_reason:
+                finished[rid] = step
+
+        engine.submit(
+            Request(
+                [5, 6, 7],
+                adapter,
+                SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                request_id=rid,
+            ),
+            sink,
+        )
+
+    step = 0
+    submit("a0", "all8")
+    engine.step()
+    submit("b", "qv4")
+    for step in range(1, 60):  # a new request for the resident adapter every step
+        submit(f"a{step}", "all8")
+        engine.step()
+        if "b" in finished:
+            break
+    assert "b" in finished and finished["b"] < 20
+
+
+class GatedLoader(LocalAdapterLoader):
+    """Counts loads; each one waits until the test opens the gate, as a slow fetch would."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls: list[str] = []
+        self.gate = threading.Event()
+
+    def load(self, name):
+        self.calls.append(name)
+        self.gate.wait(timeout=30)
+        return super().load(name)
+
+
+def _gated_loader(tiny_models) -> GatedLoader:
+    return GatedLoader(ModelConfig.from_dir(tiny_models["llama"]), 16, torch.float32)
+
+
+def test_many_requests_for_a_cold_adapter_load_it_once_and_others_keep_decoding(tiny_models, tiny_adapters):
+    loader = _gated_loader(tiny_models)
+    engine = _engine(tiny_models, tiny_adapters, loader, max_cpu_loras=1)  # only "pattern" stays hot
+    base_deltas: list = []
+    engine.submit(
+        Request([4, 5, 6], None, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+        base_deltas.append,
+    )
+    cold = [Request([7, 8], "all8", SamplingParams(max_tokens=3, temperature=0)) for _ in range(10)]
+    outputs = {r.request_id: [] for r in cold}
+    for r in cold:
+        engine.submit(r, outputs[r.request_id].append)
+    for _ in range(10):  # the load is held; the base request must keep decoding meanwhile
+        engine.step()
+    assert len(base_deltas) == 10 and all(not d for d in outputs.values())
+    loader.gate.set()
+    while engine.has_work:
+        engine.step()
+    assert loader.calls == ["all8"]
+    assert all(d[-1].finish_reason in ("length", "stop") for d in outputs.values())
+    _assert_idle(engine)
+
+
+def test_failed_load_fails_only_its_requests(tiny_models, tiny_adapters, tmp_path):
+    broken = shutil.copytree(tiny_adapters["llama"]["qv4"], tmp_path / "broken")
+    engine = _engine(tiny_models, tiny_adapters, max_cpu_loras=1)
+    engine.add_adapter("broken", broken)
+    engine.add_adapter("evictor", tiny_adapters["llama"]["re2"])  # pushes "broken" out of the host tier
+    (broken / "adapter_model.safetensors").write_bytes(b"garbage")
+    outputs = engine.generate(
+        [
+            Request([3, 4, 5], "broken", SamplingParams(max_tokens=4)),
+            Request([3, 4, 5], "all8", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)),
+            Request([3, 4, 5], None, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)),
+        ]
+    )
+    assert outputs[0].finish_reason == "error" and "not a readable safetensors file" in str(outputs[0].error)
+    assert [o.finish_reason for o in outputs[1:]] == ["length", "length"]
+    assert [len(o.token_ids) for o in outputs[1:]] == [4, 4]
+    _assert_idle(engine)
+
+
+def test_abort_frees_kv_blocks_and_slots_within_one_step(tiny_models, tiny_adapters):
+    engine = _engine(tiny_models, tiny_adapters)
+    deltas: dict[str, list] = {}
+    for i, adapter in enumerate(["all8", "qv4", None, "re2"]):
+        deltas[str(i)] = []
+        engine.submit(
+            Request([3] * 10, adapter, SamplingParams(max_tokens=50, ignore_eos=True), str(i)),
+            deltas[str(i)].append,
+        )
+    for _ in range(3):
+        engine.step()
+    assert engine.slots.active == 3 and len(engine.scheduler.running) == 4
+    for rid in deltas:
+        engine.abort(rid)
+    engine.step()
+    _assert_idle(engine)
+    assert all(d[-1].finish_reason == "abort" for d in deltas.values())
+
+
+def test_seeded_request_gives_the_same_tokens_whatever_the_batch(tiny_models, tiny_adapters):
+    engine = _engine(tiny_models, tiny_adapters)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    seeded = Request([9, 8, 7, 6], "all8", params)
+    alone = engine.generate([seeded])[0].token_ids
+    crowd = [
+        Request([5 + i] * (i + 2), a, SamplingParams(max_tokens=8, temperature=1.0))
+        for i, a in enumerate(["qv4", None, "all8", "re2"])
+    ]
+    crowded = engine.generate([*crowd[:2], Request(seeded.prompt_token_ids, "all8", params), *crowd[2:]])[2]
+    assert crowded.token_ids == alone
+    other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    assert engine.generate([Request([9, 8, 7, 6], "all8", other_seed)])[0].token_ids != alone
+
+
+def test_removed_adapter_refuses_new_requests_while_running_ones_finish(tiny_models, tiny_adapters):
+    engine = _engine(tiny_models, tiny_adapters)
+    deltas: list = []
+    engine.submit(Request([3, 4], "qv4", SamplingParams(max_tokens=6, ignore_eos=True)), deltas.append)
+    engine.step()
+    engine.remove_adapter("qv4")
+    with pytest.raises(NotFound, match="adapter 'qv4' is not registered"):
+        engine.submit(Request([3, 4], "qv4"), print)
+    while engine.has_work:
+        engine.step()
+    assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 6
+
+
+def test_stream_yields_deltas_and_closing_it_aborts(tiny_models, tiny_adapters):
+    import asyncio
+
+    engine = _engine(tiny_models, tiny_adapters)
+    engine.start()
+
+    async def scenario():
+        full = [
+            d
+            async for d in engine.stream(
+                Request([3, 4], "all8", SamplingParams(max_tokens=5, ignore_eos=True))
+            )
+        ]
+        stream = engine.stream(Request([3, 4], "qv4", SamplingParams(max_tokens=200, ignore_eos=True)))
+        first = await stream.__anext__()
+        await stream.aclose()
+        return full, first
+
+    try:
+        full, first = asyncio.run(scenario())
+        assert [len(d.token_ids) for d in full] == [1, 1, 1, 1, 1, 0] and full[-1].finish_reason == "length"
+        assert len(first.token_ids) == 1
+        deadline = time.monotonic() + 5
+        while engine.has_work and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_work
+    finally:
+        engine.stop()
+
+
+def test_stats_count_requests_tokens_tiers_and_loads(tiny_models, tiny_adapters):
+    engine = _engine(tiny_models, tiny_adapters, max_loras=1, max_cpu_loras=2)  # "re2", "pattern" stay hot
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.generate(
+        [Request([3, 4], "all8", params), Request([3, 4], "qv4", params), Request([5], None, params)]
+    )
+    stats = engine.stats()
+    assert stats["requests"] == {("all8", "length"): 1, ("qv4", "length"): 1, ("", "length"): 1}
+    assert (stats["prompt_tokens"], stats["generation_tokens"]) == (5, 9)
+    assert stats["host_tier"]["misses"] == 2 and stats["adapter_load_seconds"].count == 2
+    assert stats["slots"] == {"activations": 2, "evictions": 1, "active": 0}
+    assert (stats["queue_depth"], stats["running"]) == (0, 0)
+
+
+def test_pinned_adapter_stays_in_the_host_tier_under_pressure(tiny_models, tiny_adapters):
+    loader = _gated_loader(tiny_models)
+    loader.gate.set()
+    engine = Engine(
+        EngineConfig(model=str(tiny_models["llama"]), max_cpu_loras=1, kv_cache_tokens=256), loader
+    )
+    engine.add_adapter("all8", tiny_adapters["llama"]["all8"])
+    engine.pin_adapter("all8")
+    for name in ("qv4", "re2", "pattern"):  # each evicts the previous unpinned one
+        engine.add_adapter(name, tiny_adapters["llama"][name])
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.generate([Request([3, 4], "all8", params), Request([3, 4], "pattern", params)])
+    assert loader.calls == []  # both served from the host tier
+    engine.unpin_adapter("all8")
+    engine.generate([Request([3, 4], "qv4", params)])
+    engine.generate([Request([3, 4], "all8", params)])
+    assert loader.calls == ["qv4", "all8"]  # unpinned, it left the tier like any other

@@ -1,0 +1,381 @@
+"""The scheduler alone, held to its rules: FCFS admission under max_num_seqs, the token budget
+(long prompts chunked, running sequences first) and the KV cache (blocks for prompt + max_tokens
+reserved at admission, strict FCFS on memory); at most max_loras adapters in a step, activations
+only for digests not resident; a load never makes anyone wait; and the drain rule's starvation
+bound. A workload over adapter popularity (distinct, uniform, skewed, identical, as punica's
+kernel tests) checks every invariant after every step.
+
+Issue 17 moves the scheduler into engine/ and makes it the sole owner of Sequence; these tests,
+written on the code before the move, guard it. No engine, no model: a real SlotPool and
+BlockAllocator, a fake host tier, and `Rig.run` doing the engine's part of a step as
+Engine._step_locked, _advance and _finish do.
+"""
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from inference_service.adapters.host_tier import ReadyAdapter
+from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.scheduler import Schedule, Scheduler
+from inference_service.engine.sequence import Sequence, Status
+from inference_service.engine.slots import SlotPool
+from inference_service.sampling import SamplingParams
+from shared.peft_checkpoint import AdapterWeights
+
+BLOCK_SIZE = 4
+NO_WEIGHTS = AdapterWeights(rank=8, alpha=16.0, target_modules=(), modules={})  # only .digest is read
+
+
+class FakeHost:
+    """What the scheduler asks of HostTier: get(name) is the ready adapter, or None while it
+    loads. A name not ready starts loading when first asked and lands `load_steps` collects
+    later (None: only when the test calls install)."""
+
+    def __init__(self, ready: tuple[str, ...], load_steps: int | None):
+        self._ready = {name: ReadyAdapter(name, f"digest-{name}", NO_WEIGHTS) for name in ready}
+        self._loading: dict[str, int | None] = {}
+        self.load_steps = load_steps
+
+    def get(self, name: str) -> ReadyAdapter | None:
+        if name not in self._ready:
+            self._loading.setdefault(name, self.load_steps)
+        return self._ready.get(name)
+
+    def collect(self) -> None:
+        for name, left in list(self._loading.items()):
+            if left == 0:
+                self.install(name)
+            elif left is not None:
+                self._loading[name] = left - 1
+
+    def install(self, name: str, digest: str | None = None) -> None:
+        """The load lands; a new digest is the name re-registered with new weights."""
+        self._loading.pop(name, None)
+        self._ready[name] = ReadyAdapter(name, digest or f"digest-{name}", NO_WEIGHTS)
+
+    def digest(self, name: str) -> str:
+        return self._ready[name].digest
+
+    def digests(self) -> set[str]:
+        return {ready.digest for ready in self._ready.values()}
+
+
+@dataclass
+class Rig:
+    scheduler: Scheduler
+    slots: SlotPool
+    blocks: BlockAllocator
+    host: FakeHost
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, adapter: str | None = None) -> Sequence:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        seq = Sequence(request_id, list(range(prompt_len)), params, adapter)
+        self.scheduler.add(seq)
+        return seq
+
+    def schedule(self) -> Schedule:
+        """Engine._step_locked up to the schedule: finished loads land first."""
+        self.host.collect()
+        return self.scheduler.schedule()
+
+    def run(self, schedule: Schedule) -> None:
+        """The rest of Engine._step_locked: every chunk enters the cache, then each sequence past
+        its prompt samples one token (_advance) and finishes at max_tokens (_finish)."""
+        for chunk in schedule.chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+        for chunk in schedule.chunks:
+            seq = chunk.seq
+            if seq.in_prefill:
+                continue
+            seq.output_token_ids.append(len(seq.token_ids))  # any id: no stop ids or eos here
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                self.scheduler.finish(seq, "length")
+
+    def step(self) -> Schedule:
+        schedule = self.schedule()
+        self.run(schedule)
+        return schedule
+
+    def drain(self, max_steps: int = 500) -> None:
+        """Step until nothing waits or runs."""
+        for _ in range(max_steps):
+            if not (self.scheduler.waiting or self.scheduler.running):
+                return
+            self.step()
+        raise AssertionError(f"requests still waiting or running after {max_steps} steps")
+
+
+def _rig(
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 64,
+    max_loras: int = 2,
+    num_blocks: int = 64,
+    ready: tuple[str, ...] = (),
+    load_steps: int | None = None,
+) -> Rig:
+    slots, blocks = SlotPool(max_loras), BlockAllocator(num_blocks)
+    host = FakeHost(ready, load_steps)
+    scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, BLOCK_SIZE, blocks, slots, host)
+    return Rig(scheduler, slots, blocks, host)
+
+
+def _chunks(schedule: Schedule) -> list[tuple[str, int]]:
+    return [(c.seq.request_id, c.num_tokens) for c in schedule.chunks]
+
+
+def _activations(schedule: Schedule) -> list[tuple[int, str]]:
+    return [(slot, ready.digest) for slot, ready in schedule.activations]
+
+
+# --- FCFS, max_num_seqs and the token budget ----------------------------------------------------
+
+
+def test_admits_in_arrival_order_up_to_max_num_seqs():
+    rig = _rig(max_num_seqs=2)
+    for name in ("a", "b", "c"):
+        rig.add(name, 3, 2)
+    assert _chunks(rig.step()) == [("a", 3), ("b", 3)]
+    assert _chunks(rig.step()) == [("a", 1), ("b", 1)]  # both reach max_tokens and finish
+    assert _chunks(rig.step()) == [("c", 3)]
+
+
+def test_long_prompt_is_split_over_steps_by_the_token_budget():
+    rig = _rig(max_num_batched_tokens=8)
+    seq = rig.add("long", 20, 2)
+    assert [_chunks(rig.step()) for _ in range(3)] == [[("long", 8)], [("long", 8)], [("long", 4)]]
+    assert len(seq.output_token_ids) == 1  # the step that ends the prompt samples the first token
+    assert _chunks(rig.step()) == [("long", 1)]
+    assert seq.finish_reason == "length"
+
+
+def test_last_admitted_prompt_takes_what_is_left_and_the_next_waits():
+    rig = _rig(max_num_batched_tokens=10)
+    for name in ("a", "b", "c", "d"):
+        rig.add(name, 4, 5)
+    assert _chunks(rig.step()) == [("a", 4), ("b", 4), ("c", 2)]  # d waits: the budget is spent
+    assert _chunks(rig.step()) == [("a", 1), ("b", 1), ("c", 2), ("d", 4)]
+
+
+def test_running_sequences_take_the_budget_before_a_new_prompt():
+    rig = _rig(max_num_batched_tokens=8)
+    rig.add("a", 2, 10)
+    rig.add("b", 2, 10)
+    assert _chunks(rig.step()) == [("a", 2), ("b", 2)]
+    rig.add("long", 20, 1)
+    assert _chunks(rig.step()) == [("a", 1), ("b", 1), ("long", 6)]
+    assert _chunks(rig.step()) == [("a", 1), ("b", 1), ("long", 6)]
+
+
+# --- the KV cache -------------------------------------------------------------------------------
+
+
+def test_blocks_for_prompt_and_max_tokens_are_reserved_at_admission_and_returned_at_finish():
+    rig = _rig(num_blocks=10)
+    seq = rig.add("a", 5, 7)  # 12 positions: 3 blocks of 4, though only 5 are computed yet
+    rig.step()
+    assert len(seq.block_table) == 3 and rig.blocks.num_free == 7
+    rig.drain()
+    assert seq.block_table == [] and rig.blocks.num_free == 10
+
+
+def test_strict_fcfs_on_memory_a_small_request_does_not_overtake_a_big_one():
+    rig = _rig(num_blocks=8)
+    rig.add("first", 8, 8)  # 16 positions: 4 blocks
+    big = rig.add("big", 12, 8)  # 20 positions: 5 blocks, only 4 free while `first` runs
+    rig.add("small", 2, 2)  # 1 block would fit, but it is behind `big`
+    for _ in range(8):
+        assert {name for name, _ in _chunks(rig.step())} == {"first"}
+    assert big.status is Status.WAITING
+    assert _chunks(rig.step()) == [("big", 12), ("small", 2)]
+
+
+# --- adapters and slots -------------------------------------------------------------------------
+
+
+def test_at_most_max_loras_distinct_adapters_run_in_a_step():
+    rig = _rig(max_loras=2, ready=("a", "b", "c"))
+    rig.add("a1", 4, 3, "a")
+    rig.add("b1", 4, 3, "b")
+    c1 = rig.add("c1", 4, 3, "c")
+    assert _chunks(rig.step()) == [("a1", 4), ("b1", 4)]
+    assert c1.status is Status.WAITING
+    rig.step()
+    rig.step()  # a1 and b1 finish: both slots idle
+    assert _chunks(rig.step()) == [("c1", 4)]
+
+
+def test_activation_only_when_the_digest_is_not_resident():
+    rig = _rig(max_loras=2, ready=("a",))
+    a1, a2 = rig.add("a1", 4, 2, "a"), rig.add("a2", 4, 2, "a")
+    ((slot, digest),) = _activations(rig.step())  # one copy serves both requests
+    assert digest == "digest-a" and a1.slot == a2.slot == slot
+    rig.drain()
+    a3 = rig.add("a3", 4, 2, "a")
+    assert _activations(rig.step()) == [] and a3.slot == slot  # still resident in its idle slot
+    rig.drain()
+    rig.host.install("a", digest="digest-a-v2")  # re-registered: new weights, new digest
+    a4 = rig.add("a4", 4, 2, "a")
+    assert _activations(rig.step()) == [(a4.slot, "digest-a-v2")]
+
+
+def test_the_least_recently_used_idle_slot_is_the_one_evicted():
+    rig = _rig(max_loras=2, ready=("a", "b", "c"))
+    rig.add("a1", 4, 1, "a")
+    ((slot_a, _),) = _activations(rig.step())  # a1 finishes in its first step: a's slot idle
+    rig.add("b1", 4, 1, "b")
+    ((slot_b, _),) = _activations(rig.step())  # b's slot idle too, used after a's
+    rig.add("c1", 4, 1, "c")
+    assert _activations(rig.step()) == [(slot_a, "digest-c")]
+    rig.add("b2", 4, 1, "b")
+    assert _activations(rig.step()) == []  # b kept slot_b
+    assert slot_a != slot_b
+
+
+def test_base_model_requests_need_no_slot():
+    rig = _rig(max_loras=1, ready=("a", "b"))
+    rig.add("a1", 4, 3, "a")
+    b1 = rig.add("b1", 4, 3, "b")  # the one slot is a's
+    base = rig.add("base", 4, 3)
+    assert _chunks(rig.step()) == [("a1", 4), ("base", 4)]
+    assert base.slot == -1 and b1.status is Status.WAITING
+
+
+def test_a_request_whose_adapter_is_loading_is_skipped_and_later_ones_are_admitted():
+    rig = _rig(num_blocks=4, ready=("a",))
+    cold = rig.add("cold", 8, 4, "cold")  # 3 blocks; asking for `cold` starts its load
+    rig.add("warm", 4, 4, "a")  # 2 blocks
+    rig.add("base", 4, 4)  # 2 blocks: with warm's, the whole cache
+    assert _chunks(rig.step()) == [("warm", 4), ("base", 4)]  # not even memory waits for a load
+    assert cold.status is Status.WAITING
+    rig.host.install("cold")  # landed, but warm and base hold every block until they finish
+    assert [_chunks(rig.step()) for _ in range(3)] == [[("warm", 1), ("base", 1)]] * 3
+    assert _chunks(rig.step()) == [("cold", 8)]
+
+
+def test_finish_frees_a_sequence_mid_prompt_and_drops_a_waiting_one():
+    rig = _rig(max_num_batched_tokens=4, max_loras=1, num_blocks=8, ready=("a",))
+    running = rig.add("running", 10, 2, "a")  # 12 positions: 3 blocks
+    waiting = rig.add("waiting", 2, 2, "a")
+    assert _chunks(rig.step()) == [("running", 4)]  # the budget is spent: `waiting` waits
+    rig.scheduler.finish(waiting, "abort")
+    rig.scheduler.finish(running, "abort")
+    assert rig.blocks.num_free == 8 and rig.slots.active == 0
+    assert running.slot == -1 and running.block_table == [] and running.finish_reason == "abort"
+    assert _chunks(rig.step()) == []
+
+
+# --- the starvation bound -----------------------------------------------------------------------
+
+STREAM_STEPS, C_ARRIVES, STREAM_MAX_TOKENS = 30, 10, 4
+# The drained slot's newest sequence was admitted before `c` arrived; every prompt fits one step,
+# so that sequence finishes within STREAM_MAX_TOKENS steps and `c` takes its slot the step after.
+STARVATION_BOUND = STREAM_MAX_TOKENS
+
+
+def test_a_waiting_adapter_is_admitted_within_a_bound_despite_a_steady_stream():
+    """Both slots stay busy with a new request for `a` and one for `b` every step; `c` arrives at
+    step C_ARRIVES. The least recently acquired busy slot (a's) is drained: nobody new joins it,
+    `b` keeps being served, and `c` gets the slot. Without the drain rule `c` waits as long as
+    the stream lasts."""
+    rig = _rig(max_loras=2, ready=("a", "b", "c"))
+    admitted = None
+    for step in range(STREAM_STEPS):
+        if step == C_ARRIVES:
+            rig.add("c", 4, STREAM_MAX_TOKENS, "c")
+        a = rig.add(f"a{step}", 4, STREAM_MAX_TOKENS, "a")
+        b = rig.add(f"b{step}", 4, STREAM_MAX_TOKENS, "b")
+        scheduled = {name for name, _ in _chunks(rig.step())}
+        if step < C_ARRIVES:
+            assert rig.slots.active == 2  # the stream keeps every slot busy
+        elif admitted is None and "c" in scheduled:
+            admitted = step
+        elif admitted is None:  # c waits: a's slot drains, b's serves on
+            assert a.status is Status.WAITING and b.request_id in scheduled
+    assert admitted is not None and admitted - C_ARRIVES <= STARVATION_BOUND
+    rig.drain()
+    assert rig.blocks.num_free == 64 and rig.slots.active == 0
+
+
+# --- a workload over adapter popularity ---------------------------------------------------------
+
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_LORAS, NUM_BLOCKS = 6, 16, 3, 40
+NUM_REQUESTS, LAST_ARRIVAL, MAX_STEPS = 48, 30, 1000
+
+
+def _adapter(popularity: str, i: int, rng: random.Random) -> str:
+    if popularity == "distinct":
+        return f"lora{i}"
+    if popularity == "uniform":
+        return f"lora{i % 4}"
+    if popularity == "skewed":  # Zipf, alpha 2, over 6 adapters: lora0 two requests in three
+        names = [f"lora{k}" for k in range(6)]
+        return rng.choices(names, weights=[1 / (k + 1) ** 2 for k in range(6)])[0]
+    return "lora0"  # identical
+
+
+def _workload(popularity: str) -> list[tuple[int, str, int, int, str]]:
+    """(arrival step, request id, prompt length, max_tokens, adapter), in arrival order."""
+    rng = random.Random(17)
+    requests = [
+        (
+            rng.randrange(LAST_ARRIVAL),
+            f"r{i}",
+            rng.randint(1, 40),
+            rng.randint(1, 12),
+            _adapter(popularity, i, rng),
+        )
+        for i in range(NUM_REQUESTS)
+    ]
+    return sorted(requests, key=lambda r: r[0])
+
+
+def _check_state(rig: Rig) -> None:
+    running = rig.scheduler.running
+    assert len(running) <= MAX_NUM_SEQS
+    assert len({s.adapter for s in running if s.adapter}) <= MAX_LORAS
+    for seq in running:
+        expected = rig.slots.resident(rig.host.digest(seq.adapter)) if seq.adapter else -1
+        assert seq.slot == expected
+        assert len(seq.block_table) == -(-seq.max_len // BLOCK_SIZE)
+    assert rig.slots.active == len({s.slot for s in running if s.slot >= 0})
+    held = [block for s in running for block in s.block_table]
+    assert len(set(held)) == len(held)
+    assert rig.blocks.num_free + len(held) == rig.blocks.num_blocks
+    assert all(not s.block_table and s.slot == -1 for s in rig.scheduler.waiting)
+
+
+def _check_schedule(rig: Rig, schedule: Schedule, resident_before: set[str]) -> None:
+    assert sum(c.num_tokens for c in schedule.chunks) <= MAX_NUM_BATCHED_TOKENS
+    assert len({id(c.seq) for c in schedule.chunks}) == len(schedule.chunks)
+    for c in schedule.chunks:  # never a token the sequence does not have yet
+        assert c.seq.status is Status.RUNNING and c.num_tokens >= 1
+        assert c.seq.num_computed + c.num_tokens <= len(c.seq.token_ids)
+    for slot, ready in schedule.activations:
+        assert ready.digest not in resident_before and rig.slots.resident(ready.digest) == slot
+
+
+@pytest.mark.parametrize("popularity", ["distinct", "uniform", "skewed", "identical"])
+def test_workload_keeps_every_invariant_after_every_step(popularity):
+    rig = _rig(MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_LORAS, NUM_BLOCKS, load_steps=2)
+    requests, seqs = _workload(popularity), []
+    for step in range(MAX_STEPS):
+        seqs += [rig.add(rid, p, m, a) for at, rid, p, m, a in requests if at == step]
+        if step >= LAST_ARRIVAL and not (rig.scheduler.waiting or rig.scheduler.running):
+            break
+        resident_before = {d for d in rig.host.digests() if rig.slots.resident(d) is not None}
+        schedule = rig.schedule()
+        _check_state(rig)
+        _check_schedule(rig, schedule, resident_before)
+        rig.run(schedule)
+        _check_state(rig)
+    else:
+        pytest.fail(f"requests still waiting or running after {MAX_STEPS} steps")
+    assert len(seqs) == NUM_REQUESTS
+    assert all(s.finish_reason == "length" and len(s.output_token_ids) == s.params.max_tokens for s in seqs)
+    assert rig.blocks.num_free == NUM_BLOCKS and rig.slots.active == 0
+    adapters = {adapter for *_, adapter in requests}
+    assert rig.slots.activations >= len(adapters)  # each copied in once, more if evicted between uses
+    if popularity in ("distinct", "identical"):  # nothing to evict between uses: one copy each
+        assert rig.slots.activations == len(adapters)

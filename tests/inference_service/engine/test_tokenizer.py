@@ -1,0 +1,153 @@
+"""Our tokenizer on the default model's folder against transformers' tokenizer read from the same GGUF."""
+
+import json
+import shutil
+import unicodedata
+
+import pytest
+
+from inference_service.default_model import find_gguf
+from inference_service.engine.tokenizer import Tokenizer
+from shared.errors import FailedPrecondition, InvalidArgument
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "12345 and 3.14",
+    "It's 2024-11-21, isn't it? They'll say we've won.",
+    "café naïve 日本語 🚀",
+    "a  b   c    d\t\te",
+    "  leading and trailing   ",
+    "line one\nline two\n\n\nline five\r\n",
+    'def add(x, y):\n    """Sum."""\n    return x + y  # 1 line\n',
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+]
+# Numbers after a run of two or more blanks. llama.cpp's "smollm" pre-tokenizer (and SmolLM2's own
+# tokenizer.json) cut every \p{N} character out before the GPT-2 regex runs, so the blanks stay one
+# piece. transformers' GGUF loader has no "smollm" entry and runs the GPT-2 regex alone, which
+# splits "\n    1" into "\n   " + " 1": it differs from llama.cpp on exactly these strings.
+NUMBERS_AFTER_BLANKS = [
+    "  1",
+    "x = [\n    1,\n    2,\n]",
+    "\n\n42",
+    "total:   ½ of ٣",
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' tokenizer built from the GGUF metadata, the reference for vocab, merges and template."""
+    transformers = pytest.importorskip("transformers")
+    path = find_gguf()
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def split_numbers(text: str) -> list[str]:
+    """Text cut around every Unicode number character, as llama.cpp's first smollm regex (\\p{N}) does."""
+    pieces, current = [], ""
+    for char in text:
+        if unicodedata.category(char).startswith("N"):
+            pieces += [current, char] if current else [char]
+            current = ""
+        else:
+            current += char
+    return [*pieces, current] if current else pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_equals_transformers(tokenizer, reference, text):
+    assert tokenizer.encode(text) == reference.encode(text)
+
+
+@pytest.mark.parametrize("text", NUMBERS_AFTER_BLANKS)
+def test_numbers_are_split_off_before_bpe(tokenizer, reference, text):
+    expected = [token for piece in split_numbers(text) for token in reference.encode(piece)]
+    assert tokenizer.encode(text) == expected
+
+
+def test_indentation_before_a_number_is_one_token(tokenizer):
+    assert tokenizer.encode("[\n    1") == tokenizer.encode("[\n    ") + tokenizer.encode("1")
+    assert len(tokenizer.encode("\n    ")) == 1
+
+
+@pytest.mark.parametrize("text", TEXTS + NUMBERS_AFTER_BLANKS)
+def test_decode_round_trips(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_special_tokens_stay_whole(tokenizer):
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    assert (ids[0], ids[-1]) == (1, 2)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
+def test_special_ids_and_vocab_size(tokenizer, reference):
+    assert tokenizer.bos_token_id == reference.bos_token_id == 1
+    assert tokenizer.eos_token_ids == (reference.eos_token_id,) == (2,)
+    assert tokenizer.vocab_size == len(reference) == 49152
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Hi!"}],
+        [{"role": "user", "content": "What is 2+2?"}],
+    ],
+    ids=["system+user", "user-only"],
+)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_equals_transformers(tokenizer, reference, messages, add_generation_prompt):
+    ours = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert ours == theirs
+
+
+def test_missing_tokenizer_json_names_the_folder(tmp_path):
+    with pytest.raises(InvalidArgument, match=str(tmp_path)):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_folder_without_chat_template_names_the_folder(default_model_dir, tmp_path):
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.encode("hello") == Tokenizer.from_dir(default_model_dir).encode("hello")
+    with pytest.raises(FailedPrecondition, match=str(tmp_path)):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_named_templates_use_the_default_one(default_model_dir, tmp_path):
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    templates = [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"},
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    messages = [{"role": "user", "content": "hi"}]
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(messages) == "[user]hi"
+
+
+def test_template_raise_exception_is_invalid_argument(default_model_dir, tmp_path):
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with pytest.raises(InvalidArgument, match="first must be user"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "assistant", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "hi",
+        {"role": "user", "content": "hi"},
+        [("user", "hi")],
+        [{"role": "user"}],
+        [{"content": "hi"}],
+        [{"role": "user", "content": None}],
+        [{"role": 1, "content": "hi"}],
+    ],
+)
+def test_malformed_messages_are_invalid_argument(tokenizer, messages):
+    with pytest.raises(InvalidArgument):
+        tokenizer.apply_chat_template(messages)

@@ -1,0 +1,130 @@
+"""The acceptance check of the runtime: logits of one mixed-adapter batch equal transformers +
+PEFT's (`adapter_names=`) within 1e-4 in fp32, for prefill and for decode steps."""
+
+import pytest
+import torch
+
+from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.model_runner import ModelRunner
+from inference_service.model.forward_batch import SequenceInput
+from shared.peft_checkpoint import load_peft_adapter
+from tests.conftest import TINY_ADAPTERS
+
+ATOL = 1e-4
+BASE = None
+# One row per request: its adapter (None = base model) and prompt length. Rows of one adapter
+# are split up so the batch is not grouped by slot.
+ROWS = [
+    ("all8", 7),
+    (BASE, 5),
+    ("qv4", 9),
+    ("mlp16rs", 3),
+    ("all8", 6),
+    ("re2", 8),
+    (BASE, 4),
+    ("qv4", 2),
+    ("pattern", 5),
+]
+DECODE_STEPS = 4
+
+
+def _peft_model(model_dir, adapter_dirs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = list(adapter_dirs)
+    model = PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    return model.eval()
+
+
+def _peft_logits(model, sequences: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
+    """Per-sequence logits [len, vocab], from one right-padded mixed batch."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    names = [a or "__base__" for a in adapters]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, adapter_names=names).logits
+    return [logits[i, : len(s)] for i, s in enumerate(sequences)]
+
+
+def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int]]:
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(model_dir),
+            max_loras=len(adapter_dirs),
+            max_lora_rank=16,
+            kv_cache_tokens=512,
+            block_size=4,
+        )
+    )
+    slots = {}
+    for slot, (name, path) in enumerate(adapter_dirs.items()):
+        runner.load_slot(slot, load_peft_adapter(name, path, runner.model_config, 16, torch.float32))
+        slots[name] = slot
+    return runner, slots
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, tiny_models, tiny_adapters):
+    adapter_dirs = tiny_adapters[model_type]
+    reference = _peft_model(tiny_models[model_type], adapter_dirs)
+    runner, slots = _runner(tiny_models[model_type], adapter_dirs)
+    allocator = BlockAllocator(runner.cache.num_blocks)
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
+    adapters = [a for a, _ in ROWS]
+    tables = [allocator.allocate(-(-(n + DECODE_STEPS) // 4)) for _, n in ROWS]
+    slot_of = [-1 if a is None else slots[a] for a in adapters]
+
+    prefill = runner.forward(
+        [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
+        all_logits=True,
+    )
+    expected = _peft_logits(reference, sequences, adapters)
+    torch.testing.assert_close(prefill, torch.cat(expected), atol=ATOL, rtol=0)
+
+    for _ in range(DECODE_STEPS):
+        next_ids = [int(e[-1].argmax()) for e in expected]
+        decode_inputs = [
+            SequenceInput([tok], len(s), t, slot)
+            for tok, s, t, slot in zip(next_ids, sequences, tables, slot_of, strict=True)
+        ]
+        decoded = runner.forward(decode_inputs)
+        sequences = [[*s, tok] for s, tok in zip(sequences, next_ids, strict=True)]
+        expected = _peft_logits(reference, sequences, adapters)
+        torch.testing.assert_close(decoded, torch.stack([e[-1] for e in expected]), atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_equals_one_shot_prefill(tiny_models, tiny_adapters):
+    """A prompt fed in three chunks (steps) gives the logits the whole prompt gives."""
+    runner, slots = _runner(tiny_models["mistral"], tiny_adapters["mistral"])
+    allocator = BlockAllocator(runner.cache.num_blocks)
+    prompt = list(range(10, 30))
+    whole = runner.forward([SequenceInput(prompt, 0, allocator.allocate(5), slots["all8"])], all_logits=True)
+    table = allocator.allocate(5)
+    parts = [
+        runner.forward([SequenceInput(prompt[a:b], a, table, slots["all8"])], all_logits=True)
+        for a, b in ((0, 7), (7, 8), (8, 20))
+    ]
+    torch.testing.assert_close(torch.cat(parts), whole, atol=ATOL, rtol=0)
+
+
+def test_adapter_changes_logits_and_cleared_slot_is_base(tiny_models, tiny_adapters):
+    """Guards the reference test against a no-op LoRA path: adapters really move the logits."""
+    runner, slots = _runner(tiny_models["llama"], tiny_adapters["llama"])
+    allocator = BlockAllocator(runner.cache.num_blocks)
+    prompt = [5, 6, 7, 8]
+
+    def logits(slot):
+        return runner.forward([SequenceInput(prompt, 0, allocator.allocate(1), slot)])
+
+    base = logits(-1)
+    for name in TINY_ADAPTERS:
+        assert (logits(slots[name]) - base).abs().max() > 1e-2, name
+    runner.clear_slot(slots["all8"])
+    torch.testing.assert_close(logits(slots["all8"]), base, atol=0, rtol=0)

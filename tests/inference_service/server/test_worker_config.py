@@ -1,0 +1,22 @@
+"""The worker's command line: the message-size and step-timeout flags and their bounds."""
+
+import pytest
+
+from inference_service.server.main import parse_config
+from shared.errors import InvalidArgument
+
+
+def test_max_message_bytes_defaults_to_4_mib_and_is_bounded():
+    assert parse_config(["--model", "m"]).max_message_bytes == 4 << 20
+    assert parse_config(["--model", "m", "--max-message-bytes", "4096"]).max_message_bytes == 4096
+    for bad in ("10", str(1 << 31)):
+        with pytest.raises(InvalidArgument, match=rf"max_message_bytes must be in .*, got {bad}$"):
+            parse_config(["--model", "m", "--max-message-bytes", bad])
+
+
+def test_step_timeout_defaults_to_a_minute_and_must_be_positive():
+    assert parse_config(["--model", "m"]).engine.step_timeout_s == 60.0
+    assert parse_config(["--model", "m", "--step-timeout", "2.5"]).engine.step_timeout_s == 2.5
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(InvalidArgument, match="step_timeout_s must be a positive number"):
+            parse_config(["--model", "m", "--step-timeout", bad])
