@@ -36,7 +36,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.detokenizer import IncrementalDetokenizer
 from inference_service.engine.metrics import EngineMetrics
 from inference_service.engine.model_runner import ModelRunner
-from inference_service.engine.sampler import SamplingBatch, TokenLogprobs, generator_for, sample
+from inference_service.engine.sampler import SampleResult, SamplingBatch, TokenLogprobs, generator_for, sample
 from inference_service.engine.scheduler import ScheduledChunk, Scheduler
 from inference_service.engine.sequence import Sequence, Status
 from inference_service.engine.slots import SlotPool
@@ -410,10 +410,13 @@ class Engine:
             return True
         chunks.sort(key=lambda c: c.seq.slot)  # grouped by slot for LoRA
         logits = self.runner.forward([_input(c) for c in chunks])  # [chunks, vocab]
-        for c in chunks:
-            c.seq.num_computed += c.num_tokens
         chunks, logits = self._drop_non_finite(chunks, logits)
-        self._sample_and_emit(chunks, logits)
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        seqs = [chunks[i].seq for i in rows]
+        result = self._sample(seqs, logits[rows]) if rows else SampleResult([], [])
+        self.scheduler.postprocess(chunks, list(zip(seqs, result.token_ids, strict=True)))
+        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
+            self._emit(self._tracked[seq.request_id], token, logprobs)
         return True
 
     def _activate(self, slot: int, ready: ReadyAdapter) -> None:
@@ -454,23 +457,18 @@ class Engine:
         keep = [i for i, ok in enumerate(finite) if ok]
         return [chunks[i] for i in keep], logits[keep]
 
-    def _sample_and_emit(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        rows = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
-        if not rows:
-            return
-        seqs = [chunks[i].seq for i in rows]
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
+        """One token per sequence from its row of `logits` [seqs, vocab]."""
         # Only penalized rows read their history; building it costs O(length) per row.
         histories = [s.token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.generator for s in seqs], histories, logits.device
         )
-        result = sample(logits[rows], batch)
-        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
-            self._advance(self._tracked[seq.request_id], token, logprobs)
+        return sample(logits, batch)
 
-    def _advance(self, tracked: _Tracked, token: int, logprobs: TokenLogprobs | None) -> None:
+    def _emit(self, tracked: _Tracked, token: int, logprobs: TokenLogprobs | None) -> None:
+        """The delta of a token the scheduler has just added to the sequence's output."""
         seq = tracked.seq
-        seq.output_token_ids.append(token)
         text = tracked.detokenizer.push(token) if tracked.detokenizer else ""
         reason = self._finish_reason(tracked, token)
         tracked.sink(Delta(seq.request_id, [token], text, [logprobs] if logprobs else []))

@@ -1,4 +1,5 @@
-"""Scheduler: which sequences run in the next step, and how many tokens each.
+"""Scheduler: which sequences run in the next step, and how many tokens each; the sole owner of
+every Sequence from admission (add, schedule) through each step (postprocess) to finish.
 
 FCFS under max_num_seqs, max_num_batched_tokens and the KV cache, plus the LoRA rule: every
 running adapter holds a device slot, so at most max_loras distinct adapters share a step.
@@ -17,6 +18,11 @@ from inference_service.engine.slots import SlotPool
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step draws a token for this sequence: its chunk reaches the prompt's end."""
+        return self.seq.num_computed + self.num_tokens >= len(self.seq.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,14 @@ class Scheduler:
                 activations.append((seq.slot, ready))
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def postprocess(self, chunks: list[ScheduledChunk], sampled: list[tuple[Sequence, int]]) -> None:
+        """After a step ran: each chunk's tokens are in the KV cache, and each (sequence, token)
+        drawn joins that sequence's output."""
+        for chunk in chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+        for seq, token in sampled:
+            seq.output_token_ids.append(token)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free what the sequence holds; safe for waiting and running sequences alike."""

@@ -8,7 +8,7 @@ kernel tests) checks every invariant after every step.
 Issue 17 moves the scheduler into engine/ and makes it the sole owner of Sequence; these tests,
 written on the code before the move, guard it. No engine, no model: a real SlotPool and
 BlockAllocator, a fake host tier, and `Rig.run` doing the engine's part of a step as
-Engine._step_locked, _advance and _finish do.
+Engine._step_locked, _emit and _finish do.
 """
 
 import random
@@ -81,15 +81,12 @@ class Rig:
         return self.scheduler.schedule()
 
     def run(self, schedule: Schedule) -> None:
-        """The rest of Engine._step_locked: every chunk enters the cache, then each sequence past
-        its prompt samples one token (_advance) and finishes at max_tokens (_finish)."""
-        for chunk in schedule.chunks:
-            chunk.seq.num_computed += chunk.num_tokens
-        for chunk in schedule.chunks:
-            seq = chunk.seq
-            if seq.in_prefill:
-                continue
-            seq.output_token_ids.append(len(seq.token_ids))  # any id: no stop ids or eos here
+        """The rest of Engine._step_locked: each chunk reaching its prompt's end draws a token
+        (any id: no stop ids or eos here), the scheduler postprocesses the step, and a sequence
+        at max_tokens finishes (_emit)."""
+        sampled = [(c.seq, len(c.seq.token_ids)) for c in schedule.chunks if c.samples]
+        self.scheduler.postprocess(schedule.chunks, sampled)
+        for seq, _ in sampled:
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 self.scheduler.finish(seq, "length")
 
