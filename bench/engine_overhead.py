@@ -77,7 +77,7 @@ def engines_with_adapters(
             for i in range(n):
                 folder = Path(tmp) / f"r16-{i}"
                 if not folder.exists():
-                    write_random_adapter(engines[n].runner.model_config, folder, RANK, seed=i)
+                    write_random_adapter(engines[n].model_config, folder, RANK, seed=i)
                 engines[n].add_adapter(folder.name, folder)
     return engines
 

@@ -65,7 +65,7 @@ def engine_overhead() -> tuple[float, float]:
     engine = Engine(config)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(8):
-            folder = write_random_adapter(engine.runner.model_config, Path(tmp) / f"r16-{i}", 16, seed=i)
+            folder = write_random_adapter(engine.model_config, Path(tmp) / f"r16-{i}", 16, seed=i)
             engine.add_adapter(folder.name, folder)
         with torch.inference_mode():
             rates = {}

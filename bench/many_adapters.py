@@ -88,12 +88,12 @@ def engine_with(model_dir: Path, folders: list[Path]) -> Engine:
 def counters(engine: Engine) -> dict[str, float]:
     stats = engine.stats()
     return {
-        "tokens": stats["generation_tokens"],
-        "hits": stats["host_tier"]["hits"],
-        "misses": stats["host_tier"]["misses"],
-        "host evictions": stats["host_tier"]["evictions"],
-        "activations": stats["slots"]["activations"],
-        "load seconds": engine.metrics.adapter_load_seconds.total,
+        "tokens": stats.generation_tokens,
+        "hits": stats.host_tier.hits,
+        "misses": stats.host_tier.misses,
+        "host evictions": stats.host_tier.evictions,
+        "activations": stats.slots.activations,
+        "load seconds": stats.adapter_load_seconds.total,
     }
 
 

@@ -45,7 +45,7 @@ def engine(model_dir: Path, rank: int) -> Engine:
 def engines(model_dir: Path, adapters_dir: Path, progress: Progress) -> dict[int, Engine]:
     """Rank -> an engine holding 8 random adapters of that rank (r{rank}-0..7); 0 -> no adapters."""
     built = {0: engine(model_dir, min(RANKS))}
-    model = built[0].runner.model_config
+    model = built[0].model_config
     for rank in RANKS:
         progress(f"{model_dir.name}: engine with {ADAPTERS} rank-{rank} adapters")
         built[rank] = engine(model_dir, rank)

@@ -38,6 +38,14 @@ class ReadyAdapter:
         return cls(name, adapter_blob.digest(adapter_blob.encode(weights)), weights)
 
 
+@dataclass(frozen=True)
+class HostTierStats:
+    hits: int  # gets that found the adapter ready
+    misses: int  # gets that started a load
+    evictions: int
+    size: int  # adapters ready now
+
+
 class HostTier:
     """At most `capacity` unpinned adapters stay; pinned ones never leave. A load runs once per
     name however many requests wait for it; the engine collects finished loads each step."""
@@ -120,6 +128,9 @@ class HostTier:
         """(name, digest or None while loading, pinned) of every adapter ready or loading."""
         ready = [(n, r.digest, n in self._pinned) for n, r in self._ready.items()]
         return ready + [(n, None, n in self._pinned) for n in self._loading if n not in self._ready]
+
+    def stats(self) -> HostTierStats:
+        return HostTierStats(self.hits, self.misses, self.evictions, len(self._ready))
 
     def __len__(self) -> int:
         return len(self._ready)

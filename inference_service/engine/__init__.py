@@ -4,5 +4,6 @@ the in-process API of DESIGN.md."""
 
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.engine import AdapterState, Delta, Engine, Request, RequestOutput
+from inference_service.engine.metrics import EngineStats
 
-__all__ = ["AdapterState", "Delta", "Engine", "EngineConfig", "Request", "RequestOutput"]
+__all__ = ["AdapterState", "Delta", "Engine", "EngineConfig", "EngineStats", "Request", "RequestOutput"]

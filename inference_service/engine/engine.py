@@ -34,7 +34,7 @@ from inference_service.adapters.local_loader import LocalAdapterLoader
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.detokenizer import IncrementalDetokenizer
-from inference_service.engine.metrics import EngineMetrics
+from inference_service.engine.metrics import EngineMetrics, EngineStats
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.engine.sampler import SampleResult, SamplingBatch, TokenLogprobs, generator_for, sample
 from inference_service.engine.scheduler import ScheduledChunk, Scheduler
@@ -44,6 +44,7 @@ from inference_service.engine.tokenizer import Tokenizer
 from inference_service.model.forward_batch import SequenceInput
 from inference_service.sampling import SamplingParams
 from shared.errors import FailedPrecondition, InvalidArgument, LoramuxError, NotFound, Unavailable
+from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
 from shared.peft_checkpoint import load_peft_adapter
 
@@ -345,32 +346,24 @@ class Engine:
         for callback in callbacks:
             callback(error)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """A snapshot of every counter and gauge, for export."""
         with self._lock:
-            return {
-                "requests": dict(self.metrics.requests),
-                "prompt_tokens": self.metrics.prompt_tokens,
-                "generation_tokens": self.metrics.generation_tokens,
-                "adapter_load_seconds": self.metrics.adapter_load_seconds,
-                "host_tier": {
-                    "hits": self.host.hits,
-                    "misses": self.host.misses,
-                    "evictions": self.host.evictions,
-                    "size": len(self.host),
-                },
-                "slots": {
-                    "activations": self.slots.activations,
-                    "evictions": self.slots.evictions,
-                    "active": self.slots.active,
-                },
-                "queue_depth": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running),
-                "kv_blocks": {
-                    "used": self.scheduler.allocator.num_blocks - self.scheduler.allocator.num_free,
-                    "total": self.scheduler.allocator.num_blocks,
-                },
-            }
+            m = self.metrics
+            return EngineStats(
+                dict(m.requests),
+                m.prompt_tokens,
+                m.generation_tokens,
+                m.adapter_load_seconds.copy(),
+                self.host.stats(),
+                self.slots.stats(),
+                self.scheduler.stats(),
+            )
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's architecture, as its config.json gives it."""
+        return self.runner.model_config
 
     @property
     def max_model_len(self) -> int:

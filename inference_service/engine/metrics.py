@@ -4,6 +4,10 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from inference_service.adapters.host_tier import HostTierStats
+from inference_service.engine.scheduler import SchedulerStats
+from inference_service.engine.slots import SlotStats
+
 LOAD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -17,7 +21,10 @@ class Histogram:
     count: int = 0
 
     def __post_init__(self):
-        self.counts = [0] * len(self.buckets)
+        self.counts = self.counts or [0] * len(self.buckets)
+
+    def copy(self) -> "Histogram":
+        return Histogram(self.buckets, list(self.counts), self.total, self.count)
 
     def observe(self, value: float) -> None:
         for i in range(bisect.bisect_left(self.buckets, value), len(self.buckets)):
@@ -32,3 +39,16 @@ class EngineMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     adapter_load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_SECONDS_BUCKETS))
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of every counter and gauge of an engine, for export."""
+
+    requests: dict[tuple[str, str], int]  # (adapter or "", finish reason) -> count
+    prompt_tokens: int
+    generation_tokens: int
+    adapter_load_seconds: Histogram
+    host_tier: HostTierStats
+    slots: SlotStats
+    scheduler: SchedulerStats

@@ -26,6 +26,14 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class SchedulerStats:
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True)
 class Schedule:
     chunks: list[ScheduledChunk]
     activations: list[tuple[int, ReadyAdapter]]  # (slot, adapter) to copy in before the step
@@ -107,6 +115,10 @@ class Scheduler:
                 activations.append((seq.slot, ready))
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def stats(self) -> SchedulerStats:
+        total = self.allocator.num_blocks
+        return SchedulerStats(len(self.waiting), len(self.running), total - self.allocator.num_free, total)
 
     def postprocess(self, chunks: list[ScheduledChunk], sampled: list[tuple[Sequence, int]]) -> None:
         """After a step ran: each chunk's tokens are in the KV cache, and each (sequence, token)

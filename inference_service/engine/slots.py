@@ -1,6 +1,14 @@
 """SlotPool: which adapter occupies each device slot, who uses it, and which slot goes next."""
 
 from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    activations: int  # adapters copied into a slot
+    evictions: int  # activations that replaced another adapter
+    active: int  # slots in use by running requests
 
 
 class SlotPool:
@@ -51,6 +59,9 @@ class SlotPool:
         idle slot. Nothing new is admitted to it, so it stays the oldest until it drains."""
         busy = [s for s, refs in enumerate(self._refs) if refs]
         return min(busy, key=self._acquired_at.__getitem__, default=None)
+
+    def stats(self) -> SlotStats:
+        return SlotStats(self.activations, self.evictions, self.active)
 
     @property
     def active(self) -> int:

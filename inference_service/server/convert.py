@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from inference_service.engine import AdapterState, Delta, Engine, Request
+from inference_service.engine import AdapterState, Delta, Engine, EngineStats, Request
 from inference_service.engine.tokenizer import Tokenizer
 from inference_service.sampling import SamplingParams
 from shared.errors import InvalidArgument
@@ -119,7 +119,7 @@ def adapters(states: list[AdapterState]) -> pb.ListAdaptersResponse:
 
 
 def model_info(engine: Engine) -> pb.ModelInfo:
-    config, model = engine.config, engine.runner.model_config
+    config, model = engine.config, engine.model_config
     tokenizer = engine.tokenizer
     return pb.ModelInfo(
         model_name=Path(config.model).name,
@@ -136,28 +136,32 @@ def model_info(engine: Engine) -> pb.ModelInfo:
     )
 
 
-def stats(snapshot: dict, in_flight: int) -> pb.Stats:
-    load = snapshot["adapter_load_seconds"]
-    host, slots = snapshot["host_tier"], snapshot["slots"]
+def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
+    load, host, slots, scheduler = (
+        snapshot.adapter_load_seconds,
+        snapshot.host_tier,
+        snapshot.slots,
+        snapshot.scheduler,
+    )
     return pb.Stats(
         requests=[
             pb.RequestCount(adapter_id=adapter, outcome=outcome, count=count)
-            for (adapter, outcome), count in sorted(snapshot["requests"].items())
+            for (adapter, outcome), count in sorted(snapshot.requests.items())
         ],
-        prompt_tokens=snapshot["prompt_tokens"],
-        generation_tokens=snapshot["generation_tokens"],
-        waiting=snapshot["queue_depth"],
-        running=snapshot["running"],
+        prompt_tokens=snapshot.prompt_tokens,
+        generation_tokens=snapshot.generation_tokens,
+        waiting=scheduler.waiting,
+        running=scheduler.running,
         in_flight=in_flight,
-        kv_blocks_used=snapshot["kv_blocks"]["used"],
-        kv_blocks_total=snapshot["kv_blocks"]["total"],
-        active_slots=slots["active"],
-        slot_activations=slots["activations"],
-        slot_evictions=slots["evictions"],
-        host_hits=host["hits"],
-        host_misses=host["misses"],
-        host_evictions=host["evictions"],
-        host_adapters=host["size"],
+        kv_blocks_used=scheduler.kv_blocks_used,
+        kv_blocks_total=scheduler.kv_blocks_total,
+        active_slots=slots.active,
+        slot_activations=slots.activations,
+        slot_evictions=slots.evictions,
+        host_hits=host.hits,
+        host_misses=host.misses,
+        host_evictions=host.evictions,
+        host_adapters=host.size,
         adapter_load_seconds=pb.Histogram(
             bounds=load.buckets, counts=load.counts, sum=load.total, count=load.count
         ),

@@ -69,8 +69,8 @@ def _alone(engine: Engine, request: Request) -> list[int]:
 
 def _assert_idle(engine: Engine) -> None:
     stats = engine.stats()
-    assert stats["running"] == stats["queue_depth"] == stats["slots"]["active"] == 0
-    assert stats["kv_blocks"]["used"] == 0
+    assert stats.scheduler.running == stats.scheduler.waiting == stats.slots.active == 0
+    assert stats.scheduler.kv_blocks_used == 0
 
 
 def test_an_adapter_the_slots_cannot_take_fails_only_its_requests(tiny_models, tiny_adapters):
