@@ -17,7 +17,6 @@ dead engine.
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -438,8 +437,7 @@ class Engine:
         finite = torch.isfinite(logits).all(dim=-1).tolist()  # [chunks]
         if all(finite):
             return chunks, logits
-        for chunk in itertools.compress(chunks, [not ok for ok in finite]):
-            seq = chunk.seq
+        for seq in [c.seq for c, ok in zip(chunks, finite, strict=True) if not ok]:
             source = f"adapter {seq.adapter!r}" if seq.adapter else "the base model"
             error = FailedPrecondition(
                 f"{source} produced NaN or Inf logits for this request (values overflow in "
@@ -533,20 +531,12 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        # The scheduler reserves a sequence's every position at admission; one that needs more
-        # blocks than the cache has would wait forever, and hold back every request behind it.
-        block_size, cache_blocks = self.config.block_size, self.scheduler.allocator.num_blocks
-        needed = len(prompt) + params.max_tokens
-        if -(-needed // block_size) > cache_blocks:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
-                f"tokens of KV cache; this worker's KV cache holds {cache_blocks * block_size} "
-                f"(--kv-cache-tokens); lower max_tokens or shorten the prompt"
-            )
+        generator = generator_for(params, self.runner.device)
+        seq = Sequence(request.request_id, list(prompt), params, request.adapter, generator=generator)
+        self.scheduler.check_fits(seq)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer; this model folder has no tokenizer.json")
-        generator = generator_for(params, self.runner.device)
-        return Sequence(request.request_id, list(prompt), params, request.adapter, generator=generator)
+        return seq
 
 
 def _input(chunk: ScheduledChunk) -> SequenceInput:

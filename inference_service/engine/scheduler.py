@@ -12,6 +12,7 @@ from inference_service.adapters.host_tier import HostTier, ReadyAdapter
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.sequence import Sequence, Status
 from inference_service.engine.slots import SlotPool
+from shared.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,17 @@ class Scheduler:
             self._start(seq, ready, activations)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse a sequence the KV cache could never hold: every position's block is reserved at
+        admission, so it would wait forever and hold back every request behind it."""
+        if self._blocks_for(seq) > self.allocator.num_blocks:
+            raise InvalidArgument(
+                f"prompt ({len(seq.prompt_token_ids)} tokens) + max_tokens ({seq.params.max_tokens}) needs "
+                f"{seq.max_len} tokens of KV cache; this worker's KV cache holds "
+                f"{self.allocator.num_blocks * self.block_size} (--kv-cache-tokens); lower max_tokens or "
+                "shorten the prompt"
+            )
 
     def _blocks_for(self, seq: Sequence) -> int:
         """KV blocks for every position the sequence can reach, reserved at admission."""
