@@ -46,3 +46,12 @@ def quoted(text: object, limit: int = 80) -> str:
     message: repr-escaped, so control characters cannot forge log lines, and cut to `limit`."""
     text = str(text)
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+CAUSE_CHARS = 300  # of an exception's text quoted to a client: enough to name it, never a dump
+
+
+def brief(error: Exception) -> str:
+    """An unexpected exception named in one line, short enough to quote in a status message."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 3] + "..."

@@ -28,5 +28,10 @@ class LocalAdapterLoader:
         folder = self._folders.get(name)
         if folder is None:
             raise NotFound(f"adapter {name!r} is not registered")
+        return self.read(name, folder)
+
+    def read(self, name: str, folder: str | Path) -> ReadyAdapter:
+        """Validate and optimize the PEFT checkpoint in `folder` as adapter `name`, without
+        registering it."""
         weights = load_peft_adapter(name, folder, self._model, self._max_rank, self._dtype)
         return ReadyAdapter.of(name, weights)

@@ -3,7 +3,8 @@ device LoRA slots, a model runner, a sampler and incremental detokenizing. What 
 the in-process API of DESIGN.md."""
 
 from inference_service.engine.config import EngineConfig
-from inference_service.engine.engine import AdapterState, Delta, Engine, Request, RequestOutput
+from inference_service.engine.engine import AdapterState, Engine
 from inference_service.engine.metrics import EngineStats
+from inference_service.engine.request import Delta, Request, RequestOutput
 
 __all__ = ["AdapterState", "Delta", "Engine", "EngineConfig", "EngineStats", "Request", "RequestOutput"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from inference_service.adapters.host_tier import HostTierStats
 from inference_service.engine.scheduler import SchedulerStats
+from inference_service.engine.sequence import Sequence
 from inference_service.engine.slots import SlotStats
 
 LOAD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -33,14 +34,6 @@ class Histogram:
         self.count += 1
 
 
-@dataclass
-class EngineMetrics:
-    requests: Counter = field(default_factory=Counter)  # (adapter or "", finish reason) -> count
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    adapter_load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_SECONDS_BUCKETS))
-
-
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of every counter and gauge of an engine, for export."""
@@ -52,3 +45,27 @@ class EngineStats:
     host_tier: HostTierStats
     slots: SlotStats
     scheduler: SchedulerStats
+
+
+@dataclass
+class EngineMetrics:
+    requests: Counter = field(default_factory=Counter)  # (adapter or "", finish reason) -> count
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    adapter_load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_SECONDS_BUCKETS))
+
+    def count_finished(self, seq: Sequence) -> None:
+        self.requests[(seq.adapter or "", seq.finish_reason)] += 1
+        self.prompt_tokens += len(seq.prompt_token_ids)
+        self.generation_tokens += len(seq.output_token_ids)
+
+    def snapshot(self, host_tier: HostTierStats, slots: SlotStats, scheduler: SchedulerStats) -> EngineStats:
+        return EngineStats(
+            dict(self.requests),
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.adapter_load_seconds.copy(),
+            host_tier,
+            slots,
+            scheduler,
+        )

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from inference_service.adapters.host_tier import HostTier, ReadyAdapter
 from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.config import EngineConfig
 from inference_service.engine.sequence import Sequence, Status
 from inference_service.engine.slots import SlotPool
 from shared.errors import InvalidArgument
@@ -43,21 +44,30 @@ class Schedule:
 class Scheduler:
     def __init__(
         self,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        block_size: int,
+        config: EngineConfig,  # max_num_seqs, max_num_batched_tokens and block_size are read
         allocator: BlockAllocator,
         slots: SlotPool,
         host: HostTier,
     ):
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.block_size = block_size
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.block_size = config.block_size
         self.allocator, self.slots, self.host = allocator, slots, host
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}  # every sequence added and not finished
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The unfinished sequence of that request, waiting or running; None if there is none."""
+        return self._by_id.get(request_id)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """Every unfinished sequence, waiting or running, in the order they were added."""
+        return list(self._by_id.values())
 
     def schedule(self) -> Schedule:
         budget = self.max_num_batched_tokens
@@ -141,13 +151,16 @@ class Scheduler:
             seq.output_token_ids.append(token)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Free what the sequence holds; safe for waiting and running sequences alike."""
+        """Free what the sequence holds; safe for waiting, running and finished sequences alike."""
+        if seq.status is Status.FINISHED:
+            return
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.allocator.free(seq.block_table)
             if seq.slot >= 0:
                 self.slots.release(seq.slot)
-        elif seq.status is Status.WAITING:
+        else:
             self.waiting.remove(seq)
+        del self._by_id[seq.request_id]
         seq.block_table, seq.slot = [], -1
         seq.status, seq.finish_reason = Status.FINISHED, reason

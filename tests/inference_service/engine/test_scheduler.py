@@ -18,6 +18,7 @@ import pytest
 
 from inference_service.adapters.host_tier import ReadyAdapter
 from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.config import EngineConfig
 from inference_service.engine.scheduler import Schedule, Scheduler
 from inference_service.engine.sequence import Sequence, Status
 from inference_service.engine.slots import SlotPool
@@ -114,7 +115,13 @@ def _rig(
 ) -> Rig:
     slots, blocks = SlotPool(max_loras), BlockAllocator(num_blocks)
     host = FakeHost(ready, load_steps)
-    scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, BLOCK_SIZE, blocks, slots, host)
+    config = EngineConfig(
+        "unused: the scheduler reads only its limits",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=BLOCK_SIZE,
+    )
+    scheduler = Scheduler(config, blocks, slots, host)
     return Rig(scheduler, slots, blocks, host)
 
 

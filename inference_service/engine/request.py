@@ -1,0 +1,74 @@
+"""Request, Delta, RequestOutput: what callers hand the engine and what they get back."""
+
+import uuid
+from dataclasses import dataclass, field
+
+from inference_service.engine.sampler import TokenLogprobs
+from inference_service.sampling import SamplingParams
+from shared.errors import InvalidArgument, LoramuxError
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    adapter: str | None = None  # a registered adapter name; None = base model
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def check(self, max_model_len: int, vocab_size: int, has_tokenizer: bool) -> None:
+        """Refuse a request no model of this shape could serve. Cheap checks come first: the
+        token scan is O(prompt)."""
+        params, prompt = self.params, self.prompt_token_ids
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids is empty")
+        if len(prompt) + params.max_tokens > max_model_len:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {max_model_len}"
+            )
+        if params.stop and not has_tokenizer:
+            raise InvalidArgument("stop strings need a tokenizer; this model folder has no tokenizer.json")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step added to one request. The last delta has finish_reason set (and usage);
+    a request that failed ends with `error` instead of tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: LoramuxError | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprobs]
+    error: LoramuxError | None = None
+
+    @classmethod
+    def collect(cls, deltas: list[Delta]) -> "RequestOutput":
+        last = deltas[-1]
+        return cls(
+            last.request_id,
+            [t for d in deltas for t in d.token_ids],
+            "".join(d.text for d in deltas),
+            last.finish_reason,
+            last.prompt_tokens,
+            last.completion_tokens,
+            [lp for d in deltas for lp in d.logprobs],
+            last.error,
+        )
