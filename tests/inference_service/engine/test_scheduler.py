@@ -270,6 +270,17 @@ def test_finish_frees_a_sequence_mid_prompt_and_drops_a_waiting_one():
     assert _chunks(rig.step()) == []
 
 
+def test_unfinished_sequences_are_found_by_request_id_until_they_finish():
+    rig = _rig(max_num_batched_tokens=4, num_blocks=8)
+    first, second = rig.add("first", 2, 2), rig.add("second", 2, 2)
+    rig.step()
+    assert rig.scheduler.get("first") is first and rig.scheduler.sequences == [first, second]
+    rig.scheduler.finish(first, "abort")
+    rig.scheduler.finish(first, "stop")  # a second finish (an abort racing a stop) changes nothing
+    assert first.finish_reason == "abort" and rig.blocks.num_free == 8 - 1
+    assert rig.scheduler.get("first") is None and rig.scheduler.sequences == [second]
+
+
 # --- the starvation bound -----------------------------------------------------------------------
 
 STREAM_STEPS, C_ARRIVES, STREAM_MAX_TOKENS = 30, 10, 4
