@@ -1,6 +1,11 @@
 """The Triton LoRA kernels on a GPU: achieved bytes/s of shrink + expand for decode batches
-against the device's measured copy bandwidth, over batch size, distinct adapters and rank; then
-the engine's decode tokens/s with 8 rank-16 adapters against the base model. Needs CUDA.
+against the device's measured copy bandwidth, over batch size, distinct adapters and rank, side
+by side with plain torch (A and B gathered per token, then bmm); then the engine's decode
+tokens/s with 8 rank-16 adapters against the base model. Needs CUDA.
+
+Kernel times are replays of a CUDA graph holding 20 calls, so they are the GPU's time without
+Python's launch cost (which a serving step pays once per step under a graph); `eager us` is the
+same pair launched from Python, as a step without a graph pays it.
 
     .venv/bin/python -m bench.lora_kernels [--hidden 4096] [--dtype bfloat16]
 """
@@ -9,6 +14,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,24 +45,50 @@ def cuda_seconds(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_seconds(fn, calls: int = 20) -> float:
+    """Median GPU seconds of one fn() inside a CUDA graph of `calls` calls: no launch overhead."""
+    fn()  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_seconds(graph.replay) / calls
+
+
 def copy_bandwidth() -> float:
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src))  # read + write
 
 
-def kernel_bandwidth(batch: int, adapters: int, rank: int, hidden: int, dtype: torch.dtype) -> float:
-    """Bytes the decode step must move (x, the adapters' A and B, y read and written) per second."""
+@dataclass(frozen=True)
+class KernelTiming:
+    moved: int  # bytes the step must move: x, the adapters' A and B, y read and written
+    ours: float  # seconds, CUDA graph replay
+    ours_eager: float  # seconds, launched from Python
+    torch_gather_bmm: float  # seconds, CUDA graph replay
+
+
+def time_kernels(batch: int, adapters: int, rank: int, hidden: int, dtype: torch.dtype) -> KernelTiming:
     slots = [i % adapters for i in range(batch)]
     lora = LoraBatch.build(slots, "cuda", slot_ranks=[rank] * adapters)
     x = torch.randn(batch, hidden, device="cuda", dtype=dtype)
     a = torch.randn(adapters, 1, rank, hidden, device="cuda", dtype=dtype)
     b = (torch.randn(adapters, rank, hidden, device="cuda", dtype=dtype),)
     y = torch.randn(batch, hidden, device="cuda", dtype=dtype)
-    seconds = cuda_seconds(lambda: lora_expand_triton(y, lora_shrink_triton(x, a, lora), b, lora))
+    index = lora.token_slots
+
+    def ours():
+        lora_expand_triton(y, lora_shrink_triton(x, a, lora), b, lora)
+
+    def gather_bmm():  # [batch, 1, hidden] @ [batch, hidden, rank] @ [batch, rank, hidden]
+        buf = torch.bmm(x[:, None, :], a[index, 0].transpose(1, 2))  # [batch, 1, rank]
+        y.add_(torch.bmm(buf, b[0][index])[:, 0])
+
     used = min(adapters, batch)
     moved = (x.numel() + 2 * y.numel() + used * 2 * rank * hidden) * x.element_size()
-    return moved / seconds
+    return KernelTiming(moved, graph_seconds(ours), cuda_seconds(ours), graph_seconds(gather_bmm))
 
 
 def engine_overhead() -> tuple[float, float]:
@@ -90,13 +122,18 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:.0f} GB/s, "
         f"hidden {args.hidden}, {args.dtype}"
     )
-    print("batch  adapters  rank   GB/s   of copy bandwidth")
+    print("batch  adapters  rank   ours us  GB/s  of copy bw   torch gather+bmm us  speed-up   eager us")
     started = time.perf_counter()
     for batch in BATCHES:
         for adapters in ADAPTERS:
             for rank in RANKS:
-                rate = kernel_bandwidth(batch, adapters, rank, args.hidden, DTYPES[args.dtype])
-                print(f"{batch:5d}  {adapters:8d}  {rank:4d}  {rate / 1e9:6.0f}   {rate / peak:6.1%}")
+                t = time_kernels(batch, adapters, rank, args.hidden, DTYPES[args.dtype])
+                rate = t.moved / t.ours
+                print(
+                    f"{batch:5d}  {adapters:8d}  {rank:4d}  {t.ours * 1e6:8.1f}  {rate / 1e9:4.0f}  "
+                    f"{rate / peak:10.1%}   {t.torch_gather_bmm * 1e6:19.1f}  "
+                    f"{t.torch_gather_bmm / t.ours:8.2f}  {t.ours_eager * 1e6:9.1f}"
+                )
     base, lora = engine_overhead()
     print(
         f"engine decode tok/s, default model, 32 requests: base {base:.1f}, 8 rank-16 adapters {lora:.1f}, "

@@ -9,6 +9,7 @@ import torch
 # of a SmolLM2 layer, against ~180 us of dispatch per slot in the loop.
 MAX_PAD_FACTOR = 4.0
 FULL_RANK = 1 << 30  # a segment rank meaning "every rank the buffers hold"
+TILE_ROWS = 16  # tokens per Triton program: the smallest M tl.dot takes
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,19 @@ class PaddedLayout:
 
 @dataclass(frozen=True)
 class SegmentTable:
-    """The segments as device tensors, for kernels that run one program per block of a segment
-    (SGMV-style; a decode token is a segment of one, BGMV-style)."""
+    """The segments as device tensors for the Triton kernels, cut into tiles of at most
+    TILE_ROWS tokens of one segment (SGMV-style; a decode step's segments hold a few tokens
+    each, BGMV-style). The kernels run one program per tile, never one per segment times the
+    longest segment, so no program is launched with nothing to do."""
 
     tokens: torch.Tensor  # [tokens] int32: token indices grouped by slot
     slots: torch.Tensor  # [segments] int32
     starts: torch.Tensor  # [segments] int32: where each segment starts in `tokens`
     lengths: torch.Tensor  # [segments] int32
     ranks: torch.Tensor  # [segments] int32: the rank of each segment's adapter
-    longest: int  # tokens in the longest segment
+    tile_segments: torch.Tensor  # [tiles] int32: the segment each tile belongs to
+    tile_rows: torch.Tensor  # [tiles] int32: the tile's first row within its segment
+    num_tiles: int
 
     @classmethod
     def build(
@@ -69,13 +74,16 @@ class SegmentTable:
         def tensor(values):
             return torch.tensor(values, dtype=torch.int32, device=device)
 
+        tiles = [(i, row) for i, s in enumerate(segments) for row in range(0, s.end - s.start, TILE_ROWS)]
         return cls(
             tensor(order),
             tensor([s.slot for s in segments]),
             tensor([s.start for s in segments]),
             tensor([s.end - s.start for s in segments]),
             tensor([ranks[s.slot] if ranks else FULL_RANK for s in segments]),
-            max(s.end - s.start for s in segments),
+            tensor([segment for segment, _ in tiles]),
+            tensor([row for _, row in tiles]),
+            len(tiles),
         )
 
 

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_batch import LoraBatch, PaddedLayout
+from kernels.lora_batch import TILE_ROWS, LoraBatch, PaddedLayout
 from kernels.triton_dot import dot, dot_in_fp32
 
 
@@ -17,11 +17,10 @@ def lora_expand(
 
     y: [tokens, out] (updated in place and returned); buf: [tokens, slices, rank];
     b: one [max_loras, rank, n_s] per slice (each slot's B transposed, so a decode step streams
-    it row by row). CPU paths: with batch.padded, one batched matmul per slice over the
-    slot-major padded rows (expand_padded), added back in one gather; otherwise one addmm per (slot, slice).
+    it row by row). The CPU paths (a GPU runs lora_expand_triton): with batch.padded, one batched
+    matmul per slice over the slot-major padded rows (expand_padded), added back in one gather;
+    otherwise one addmm per (slot, slice).
     """
-    if y.is_cuda:
-        return lora_expand_triton(y, buf, b, batch)
     if batch.padded is not None:
         return expand_padded(y, batch.padded.from_tokens(buf), b, batch.padded)
     if batch.order is not None:
@@ -71,89 +70,90 @@ def _expand_scattered(y, buf, b, batch: LoraBatch) -> torch.Tensor:
 
 
 MAX_SLICES = 3  # q/k/v; the kernel takes one B pointer per slice
+BLOCK_N = 64
 
 
 def lora_expand_triton(
-    y: torch.Tensor, buf: torch.Tensor, b: tuple[torch.Tensor, ...], batch: LoraBatch
+    y: torch.Tensor, partials: torch.Tensor, b: tuple[torch.Tensor, ...], batch: LoraBatch
 ) -> torch.Tensor:
-    """lora_expand as one Triton launch for every slice: a program per (block of a segment's
-    tokens, slice, block of that slice's columns). Each (token, column) has one owner, so the
-    read-add-write of y needs no atomics."""
+    """lora_expand as one Triton launch for every slice, from lora_shrink_triton's fp32 partial
+    sums [splits, tokens, slices, rank]: each program adds them up for its tokens, rounds the sum
+    to the serving dtype (PEFT's lora_A output is in it) and adds that times B to y in place.
+
+    A program per (tile of one segment's tokens, column block of one slice): the column blocks
+    of all slices are numbered in one axis, so the narrow k/v slices of a GQA qkv launch no idle
+    programs. Each (token, column) has one owner, so the read-add-write of y needs no atomics.
+    """
     table = batch.table
     if table is None:
         return y
-    assert len(b) <= MAX_SLICES and y.stride(1) == 1 and buf.is_contiguous()
+    assert len(b) <= MAX_SLICES and y.stride(1) == 1 and partials.is_contiguous()
     assert all(b_s.is_contiguous() for b_s in b)
-    sizes = [b_s.shape[2] for b_s in b]
-    offsets = [sum(sizes[:s]) for s in range(len(b))]
-    pad = MAX_SLICES - len(b)
-    rank = buf.shape[2]
-    grid = (
-        table.slots.shape[0],
-        triton.cdiv(table.longest, BLOCK_M),
-        len(b) * triton.cdiv(max(sizes), BLOCK_N),
-    )
-    _expand_kernel[grid](
-        y, buf, *b, *[b[0]] * pad, *offsets, *[0] * pad, *sizes, *[0] * pad,
+    splits, tokens, slices, rank = partials.shape
+    sizes = [b_s.shape[2] for b_s in b] + [0] * (MAX_SLICES - len(b))
+    offsets = [sum(sizes[:s]) for s in range(MAX_SLICES)]
+    column_blocks = [triton.cdiv(n, BLOCK_N) for n in sizes]
+    b_ptrs = [*b, *[b[0]] * (MAX_SLICES - len(b))]
+    _expand_kernel[(table.num_tiles, sum(column_blocks))](
+        y, partials, *b_ptrs, *offsets, *sizes, column_blocks[0], column_blocks[1],
         table.tokens, table.slots, table.starts, table.lengths, table.ranks,
-        y.stride(0), len(b), rank, triton.cdiv(max(sizes), BLOCK_N),
-        BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=BLOCK_N,
+        table.tile_segments, table.tile_rows,
+        y.stride(0), slices, rank, tokens, splits,
+        BLOCK_M=TILE_ROWS, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=BLOCK_N,
         DOT_FP32=dot_in_fp32(),
     )  # fmt: skip
     return y
 
 
-BLOCK_M, BLOCK_N = 16, 64
-
-
 @triton.jit
 def _expand_kernel(
-    y_ptr, buf_ptr, b0_ptr, b1_ptr, b2_ptr, off0, off1, off2, n0, n1, n2,
-    tokens_ptr, slots_ptr, starts_ptr, lengths_ptr, ranks_ptr,
-    y_stride, num_slices, max_rank, column_blocks,
+    y_ptr, partials_ptr, b0_ptr, b1_ptr, b2_ptr, off0, off1, off2, n0, n1, n2, blocks0, blocks1,
+    tokens_ptr, slots_ptr, starts_ptr, lengths_ptr, ranks_ptr, tile_segments_ptr, tile_rows_ptr,
+    y_stride, num_slices, max_rank, num_tokens, splits,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    segment, block = tl.program_id(0), tl.program_id(1)
-    s, column_block = tl.program_id(2) // column_blocks, tl.program_id(2) % column_blocks
+    tile, column_block = tl.program_id(0), tl.program_id(1)
+    s = (column_block >= blocks0).to(tl.int32) + (column_block >= blocks0 + blocks1).to(tl.int32)
+    first_block = tl.where(s == 0, 0, tl.where(s == 1, blocks0, blocks0 + blocks1))
     size = tl.where(s == 0, n0, tl.where(s == 1, n1, n2))
-    length = tl.load(lengths_ptr + segment)
-    if block * BLOCK_M < length and column_block * BLOCK_N < size:
-        b_ptr = tl.where(s == 0, b0_ptr, tl.where(s == 1, b1_ptr, b2_ptr))
-        offset = tl.where(s == 0, off0, tl.where(s == 1, off1, off2))
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < length
-        tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
-        slot = tl.load(slots_ptr + segment)
-        r = tl.arange(0, BLOCK_R)
-        r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)  # padded ranks are never read
-        n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < size
-        buf = tl.load(
-            buf_ptr + tokens[:, None] * (num_slices * max_rank) + s * max_rank + r[None, :],
-            mask=row_ok[:, None] & r_ok[None, :],
-        )  # [M, R]
-        b = tl.load(
-            b_ptr + slot * (max_rank * size) + r[:, None] * size + n[None, :],
-            mask=r_ok[:, None] & n_ok[None, :],
+    offset = tl.where(s == 0, off0, tl.where(s == 1, off1, off2))
+    b_ptr = tl.where(s == 0, b0_ptr, tl.where(s == 1, b1_ptr, b2_ptr))
+    segment = tl.load(tile_segments_ptr + tile)
+    rows = tl.load(tile_rows_ptr + tile) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(lengths_ptr + segment)
+    tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
+    slot = tl.load(slots_ptr + segment)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)  # padded ranks are never read
+    n = (column_block - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < size
+    buf_ptrs = partials_ptr + (tokens[:, None] * num_slices + s) * max_rank + r[None, :]
+    buf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in range(0, splits):  # in order: the same sum whatever ran first
+        buf += tl.load(
+            buf_ptrs + split * num_tokens * num_slices * max_rank, mask=row_ok[:, None] & r_ok[None, :]
         )
-        delta = dot(buf, b, DOT_FP32)  # [M, N]
-        y = y_ptr + tokens[:, None] * y_stride + offset + n[None, :]
-        keep = row_ok[:, None] & n_ok[None, :]
-        tl.store(y, (tl.load(y, mask=keep).to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
+    b = tl.load(
+        b_ptr + slot * (max_rank * size) + r[:, None] * size + n[None, :], mask=r_ok[:, None] & n_ok[None, :]
+    )
+    delta = dot(buf.to(b_ptr.dtype.element_ty), b, DOT_FP32)  # [M, N]
+    y = y_ptr + tokens[:, None] * y_stride + offset + n[None, :]
+    keep = row_ok[:, None] & n_ok[None, :]
+    tl.store(y, (tl.load(y, mask=keep).to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
 
 
 def lora_expand_ref(
     y: torch.Tensor, buf: torch.Tensor, b: tuple[torch.Tensor, ...], token_slots: torch.Tensor
 ) -> torch.Tensor:
-    """Plain per-token loop in fp32: the definition lora_expand is checked against."""
-    out = y.float().clone()
+    """Plain per-token loop in fp64: the definition lora_expand is checked against."""
+    out = y.double().clone()
     for i, slot in enumerate(token_slots.tolist()):
         if slot < 0:
             continue
         offset = 0
         for s, b_s in enumerate(b):
             size = b_s.shape[2]
-            out[i, offset : offset + size] += buf[i, s].float() @ b_s[slot].float()
+            out[i, offset : offset + size] += buf[i, s].double() @ b_s[slot].double()
             offset += size
     return out.to(y.dtype)

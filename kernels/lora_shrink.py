@@ -4,21 +4,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_batch import LoraBatch, PaddedLayout
+from kernels.lora_batch import TILE_ROWS, LoraBatch, PaddedLayout
 from kernels.triton_dot import dot, dot_in_fp32
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
     """Semantics: out[i, s] = A[slot_i, s] @ x[i] for every token i with slot_i >= 0, else 0.
 
-    x: [tokens, in]; a: [max_loras, slices, rank, in]; returns [tokens, slices, rank].
-    CUDA: the Triton kernel below. CPU paths: with batch.padded, one batched matmul over the
+    x: [tokens, in]; a: [max_loras, slices, rank, in]; returns [tokens, slices, rank]. The CPU
+    paths (a GPU runs lora_shrink_triton): with batch.padded, one batched matmul over the
     slot-major padded rows (shrink_padded); otherwise one matmul per distinct slot over its
     contiguous run of tokens. Either way all slices go at once (A of one slot viewed as
     [slices * rank, in]).
     """
-    if x.is_cuda:
-        return lora_shrink_triton(x, a, batch)
     if batch.padded is not None:
         return batch.padded.to_tokens(shrink_padded(x, a, batch.padded), a.shape[1])
     tokens = x.shape[0]
@@ -44,64 +42,88 @@ def shrink_padded(x: torch.Tensor, a: torch.Tensor, layout: PaddedLayout) -> tor
     return torch.bmm(a_slots, x_padded.transpose(1, 2))  # [n, slices*rank, rows]
 
 
-def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-    """lora_shrink as one Triton launch: a program per (block of a segment's tokens, slice)."""
+BLOCK_K = 64
+MIN_SPLIT_K = 256  # input features per program at least: fewer and the partials cost more than they save
+TARGET_PROGRAMS = 512  # enough to keep every SM of a large GPU busy (132 on an H100) several times over
+
+
+def lora_shrink_triton(
+    x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, splits: int | None = None
+) -> torch.Tensor:
+    """lora_shrink as one Triton launch, split over the input features (split-K).
+
+    Returns fp32 partial sums [splits, tokens, slices, rank]: lora_shrink(x, a, batch) equals
+    their sum over the first axis (lora_expand_triton adds them up as it reads them, so the
+    split costs no extra launch and no atomics: the result does not depend on scheduling).
+    Rows of slot -1 tokens are not written. A program per (tile of one segment's tokens,
+    slice, split); `splits` (default: enough programs to fill the GPU, at least MIN_SPLIT_K
+    features each) is how many ranges the input features are cut into.
+    """
     _, slices, rank, in_features = a.shape
-    out = x.new_zeros(x.shape[0], slices, rank)  # [tokens, slices, rank]; slot -1 rows stay 0
     table = batch.table
+    splits, k_per_split = _split_k(in_features, (table.num_tiles if table else 0) * slices, splits)
+    partials = x.new_empty(splits, x.shape[0], slices, rank, dtype=torch.float32)
     if table is None:
-        return out
-    assert x.stride(1) == 1 and a.is_contiguous() and out.is_contiguous()
-    grid = (table.slots.shape[0], triton.cdiv(table.longest, BLOCK_M), slices)
-    _shrink_kernel[grid](
-        x, a, out, table.tokens, table.slots, table.starts, table.lengths, table.ranks,
-        in_features, x.stride(0), a.stride(0), a.stride(1), rank,
-        BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=BLOCK_K,
+        return partials
+    assert x.stride(1) == 1 and a.is_contiguous()
+    _shrink_kernel[(table.num_tiles, slices, splits)](
+        x, a, partials, table.tokens, table.slots, table.starts, table.lengths, table.ranks,
+        table.tile_segments, table.tile_rows,
+        in_features, x.stride(0), a.stride(0), a.stride(1), rank, x.shape[0], k_per_split,
+        BLOCK_M=TILE_ROWS, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=BLOCK_K,
         DOT_FP32=dot_in_fp32(),
     )  # fmt: skip
-    return out
+    return partials
 
 
-BLOCK_M, BLOCK_K = 16, 64
+def _split_k(in_features: int, programs: int, splits: int | None) -> tuple[int, int]:
+    """(splits, features per split): a multiple of BLOCK_K each, no split left empty."""
+    blocks = triton.cdiv(in_features, BLOCK_K)
+    if splits is None:
+        splits = min(max(1, TARGET_PROGRAMS // max(programs, 1)), triton.cdiv(in_features, MIN_SPLIT_K))
+    k_per_split = triton.cdiv(blocks, max(1, min(splits, blocks))) * BLOCK_K
+    return triton.cdiv(in_features, k_per_split), k_per_split
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, out_ptr, tokens_ptr, slots_ptr, starts_ptr, lengths_ptr, ranks_ptr,
-    in_features, x_stride, a_stride_slot, a_stride_slice, max_rank,
+    x_ptr, a_ptr, partials_ptr, tokens_ptr, slots_ptr, starts_ptr, lengths_ptr, ranks_ptr,
+    tile_segments_ptr, tile_rows_ptr,
+    in_features, x_stride, a_stride_slot, a_stride_slice, max_rank, num_tokens, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    segment, block, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    length = tl.load(lengths_ptr + segment)
-    if block * BLOCK_M < length:
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < length
-        tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
-        slot = tl.load(slots_ptr + segment)
-        r = tl.arange(0, BLOCK_R)
-        # Ranks past the adapter's own are never read: padding costs no memory traffic.
-        r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)
-        a_rows = a_ptr + slot * a_stride_slot + s * a_stride_slice + r * in_features
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, in_features, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < in_features
-            x = tl.load(x_ptr + tokens[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
-            a = tl.load(a_rows[None, :] + k[:, None], mask=r_ok[None, :] & k_ok[:, None])  # [K, R]
-            acc += dot(x, a, DOT_FP32)  # [M, R]
-        out = out_ptr + tokens[:, None] * (tl.num_programs(2) * max_rank) + s * max_rank + r[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (r[None, :] < max_rank))
+    tile, s, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    segment = tl.load(tile_segments_ptr + tile)
+    rows = tl.load(tile_rows_ptr + tile) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(lengths_ptr + segment)
+    tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
+    slot = tl.load(slots_ptr + segment)
+    r = tl.arange(0, BLOCK_R)
+    # Ranks past the adapter's own are never read: padding costs no memory traffic.
+    r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)
+    a_rows = a_ptr + slot * a_stride_slot + s * a_stride_slice + r * in_features
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_start = split * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < in_features
+        x = tl.load(x_ptr + tokens[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
+        a = tl.load(a_rows[None, :] + k[:, None], mask=r_ok[None, :] & k_ok[:, None])  # [K, R]
+        acc += dot(x, a, DOT_FP32)  # [M, R]
+    num_slices = tl.num_programs(1)
+    out = partials_ptr + ((split * num_tokens + tokens[:, None]) * num_slices + s) * max_rank + r[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & (r[None, :] < max_rank))
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """Plain per-token loop in fp32: the definition lora_shrink is checked against."""
+    """Plain per-token loop in fp64: the definition lora_shrink is checked against."""
     tokens = x.shape[0]
     _, slices, rank, _ = a.shape
-    out = torch.zeros(tokens, slices, rank, dtype=torch.float32)
+    out = torch.zeros(tokens, slices, rank, dtype=torch.float64)
     for i, slot in enumerate(token_slots.tolist()):
         if slot < 0:
             continue
         for s in range(slices):
-            out[i, s] = a[slot, s].float() @ x[i].float()  # [rank]
+            out[i, s] = a[slot, s].double() @ x[i].double()  # [rank]
     return out.to(x.dtype)

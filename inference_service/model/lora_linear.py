@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.lora_batch import LoraBatch
-from kernels.lora_expand import expand_padded, lora_expand
-from kernels.lora_shrink import lora_shrink, shrink_padded
+from kernels.lora_expand import expand_padded, lora_expand, lora_expand_triton
+from kernels.lora_shrink import lora_shrink, lora_shrink_triton, shrink_padded
 
 
 class LoRALinear(nn.Module):
@@ -53,7 +53,10 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)  # [tokens, out]
         if lora is None or not lora.segments:
             return y
-        if lora.padded is not None:  # decode steps: stay in the padded layout in between
+        if x.is_cuda:
+            partials = lora_shrink_triton(x, self.lora_a, lora)  # [splits, tokens, slices, rank] fp32
+            return lora_expand_triton(y, partials, self.lora_b, lora)
+        if lora.padded is not None:  # decode steps on the CPU: stay in the padded layout in between
             padded = shrink_padded(x, self.lora_a, lora.padded)  # [slots, slices*rank, rows]
             return expand_padded(y, padded, self.lora_b, lora.padded)
         buf = lora_shrink(x, self.lora_a, lora)  # [tokens, slices, rank]
