@@ -80,6 +80,11 @@ class HostTier:
             self._start_load(name)
         return None
 
+    def prepare(self, ready: ReadyAdapter) -> ReadyAdapter:
+        """The adapter as the tier keeps it: page-locked when the device is a GPU, so activating
+        it is an async copy. A copy of every tensor: call it before put, off the step thread."""
+        return replace(ready, weights=ready.weights.pin_memory()) if self._pin_memory else ready
+
     def put(self, ready: ReadyAdapter) -> None:
         self._ready[ready.name] = ready
         self._ready.move_to_end(ready.name)
@@ -144,9 +149,7 @@ class HostTier:
 
     def _load(self, name: str) -> tuple[ReadyAdapter, float]:
         start = time.perf_counter()
-        ready = self._loader.load(name)
-        if self._pin_memory:
-            ready = replace(ready, weights=ready.weights.pin_memory())
+        ready = self.prepare(self._loader.load(name))
         return ready, time.perf_counter() - start
 
     def _evict(self) -> None:

@@ -86,7 +86,7 @@ class Engine:
         check_adapter_id(name)
         if not isinstance(self.loader, LocalAdapterLoader):
             raise FailedPrecondition(f"adapter {name!r}: this engine's adapters come from the adapter store")
-        ready = self.loader.read(name, peft_dir)  # the slow part, outside the step lock
+        ready = self.host.prepare(self.loader.read(name, peft_dir))  # slow: outside the step lock
         with self._lock:
             self.loader.register(name, peft_dir)
             self.host.remove(name)
