@@ -96,9 +96,10 @@ class LoraBatch:
     already holds each slot's tokens in one contiguous run, as the engine arranges it);
     `segments` are the runs of that grouped order, slot -1 runs left out. `padded` is set when
     the slot-major padded layout wastes at most max_pad_factor x the LoRA rows (decode steps);
-    the CPU kernels then use it instead of looping over segments. `table` carries the segments
-    for the Triton kernels (None when no token uses an adapter); `slot_ranks[s]` is the rank of
-    the adapter in slot s, so kernels skip padded ranks (None: every slot at full rank).
+    the CPU kernels then use it instead of looping over segments. `table` is set on the Triton
+    kernels' path (`kernels`, by default on CUDA) when a token uses an adapter; `slot_ranks[s]`
+    is the rank of the adapter in slot s, so kernels skip padded ranks (None: every slot at full
+    rank).
     """
 
     token_slots: torch.Tensor  # [tokens] int64
@@ -114,11 +115,13 @@ class LoraBatch:
         device: torch.device | str = "cpu",
         max_pad_factor: float = MAX_PAD_FACTOR,
         slot_ranks: list[int] | None = None,
+        kernels: bool | None = None,
     ) -> "LoraBatch":
+        """kernels: take the Triton kernels' path (default: on CUDA) rather than the torch one."""
         slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [tokens]
-        if torch.device(device).type == "cuda":
-            max_pad_factor = 0  # the Triton kernels walk segments themselves
-        padded = _padded_layout(token_slots, max_pad_factor, device)
+        if kernels is None:
+            kernels = torch.device(device).type == "cuda"
+        padded = None if kernels else _padded_layout(token_slots, max_pad_factor, device)
         runs = _runs(token_slots)
         lora_runs = tuple(r for r in runs if r.slot >= 0)
         if len(lora_runs) == len({r.slot for r in lora_runs}):
@@ -127,7 +130,7 @@ class LoraBatch:
             order = sorted(range(len(token_slots)), key=token_slots.__getitem__)
             lora_runs = tuple(r for r in _runs([token_slots[i] for i in order]) if r.slot >= 0)
             order_t = torch.tensor(order, dtype=torch.int64, device=device)  # [tokens]
-        table = SegmentTable.build(lora_runs, order, slot_ranks, device) if lora_runs else None
+        table = SegmentTable.build(lora_runs, order, slot_ranks, device) if kernels and lora_runs else None
         return cls(slots, order_t, lora_runs, padded, table)
 
 

@@ -53,7 +53,7 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)  # [tokens, out]
         if lora is None or not lora.segments:
             return y
-        if x.is_cuda:
+        if lora.table is not None:  # the Triton kernels' path
             partials = lora_shrink_triton(x, self.lora_a, lora)  # [splits, tokens, slices, rank] fp32
             return lora_expand_triton(y, partials, self.lora_b, lora)
         if lora.padded is not None:  # decode steps on the CPU: stay in the padded layout in between

@@ -34,7 +34,7 @@ def test_decode_steps_pad_and_a_long_prefill_beside_decodes_loops_over_slots():
 def test_kernel_tiles_cover_every_lora_token_once_and_no_tile_is_empty():
     # a 40-token prefill on slot 0, three decodes on slots 1-3, base-model tokens between
     slots = [0] * 40 + [-1, 1, 2, -1, 3]
-    table = LoraBatch.build(slots).table
+    table = LoraBatch.build(slots, kernels=True).table
     assert table.num_tiles == 3 + 3  # 40 rows in tiles of 16, 16, 8; one tile per decode
     tokens, starts, lengths = table.tokens.tolist(), table.starts.tolist(), table.lengths.tolist()
     covered = []

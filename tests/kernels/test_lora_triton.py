@@ -23,7 +23,7 @@ def _case(spread, slices, base_every, ranks, dtype, tokens, in_features, sizes, 
     torch.manual_seed(0)
     max_rank, ranks = RANKS[ranks]
     slots = token_slots(spread, tokens, MAX_LORAS, base_every, grouped=False, seed=slices)
-    batch = LoraBatch.build(slots, device, slot_ranks=ranks)
+    batch = LoraBatch.build(slots, device, slot_ranks=ranks, kernels=True)
     a = torch.randn(MAX_LORAS, slices, max_rank, in_features, device=device, dtype=dtype)
     b = tuple(torch.randn(MAX_LORAS, max_rank, n, device=device, dtype=dtype) for n in sizes)
     for slot, rank in enumerate(ranks or []):  # slot buffers hold zeros past an adapter's rank
@@ -82,7 +82,7 @@ def test_expand_triton_matches_reference(spread, slices, base_every, ranks, dtyp
 
 
 def test_a_batch_without_adapters_launches_nothing():
-    batch = LoraBatch.build([-1] * 5)
+    batch = LoraBatch.build([-1] * 5, kernels=True)
     x, y = torch.randn(5, 16), torch.randn(5, 8)
     assert lora_shrink_triton(x, torch.randn(2, 1, 4, 16), batch).shape == (1, 5, 1, 4)
     assert torch.equal(
