@@ -64,9 +64,12 @@ class ModelRunner:
         return StepOutput(computed, sampled, result, non_finite)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SequenceInput], all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[SequenceInput], all_logits: bool = False, kernels: bool | None = None
+    ) -> torch.Tensor:
         """Logits [sequences, vocab] for each sequence's last new token ([tokens, vocab] with
-        all_logits), in fp32."""
+        all_logits), in fp32. kernels: the Triton kernels' path (default: on CUDA; on the CPU it
+        runs in Triton's interpreter, for tests)."""
         batch = ForwardBatch.build(
             seqs,
             self.config.block_size,
@@ -74,6 +77,7 @@ class ModelRunner:
             self.device,
             all_logits,
             self._slot_ranks,
+            kernels,
         )
         return self.model(batch, self.cache)
 

@@ -1,5 +1,6 @@
 """Causal attention over a flattened batch of prefill chunks and decode tokens, reading and
-writing the paged KV cache, with the per-step metadata it needs."""
+writing the paged KV cache, with the per-step metadata it needs: on CUDA the Triton kernels read
+the cache through block tables, elsewhere SDPA in torch runs over gathered blocks."""
 
 from dataclasses import dataclass
 
@@ -7,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.model.kv_cache import KVCache
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.prefill_attention import prefill_attention, prefill_tiles
 
 
 @dataclass(frozen=True)
@@ -29,17 +32,11 @@ class PrefillAttention:
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Everything attention needs for one step, built once and used by every layer.
+class SdpaPath:
+    """The torch path (CPU): sequences with one new token are decoded together in one padded SDPA
+    call; the others (prefill chunks) attend one sequence at a time."""
 
-    Sequences with one new token are decoded together in one padded call; the others (prefill
-    chunks) attend one sequence at a time.
-    """
-
-    positions: torch.Tensor  # [tokens] position of every new token in its sequence
-    cache_slots: torch.Tensor  # [tokens] flat cache index (block * block_size + offset) to write it to
     prefills: tuple[PrefillAttention, ...]
-    decode_tokens: torch.Tensor  # [decodes] rows of the flattened batch
     # [decodes, max_blocks] block tables, each padded with its own first block: masked positions
     # still enter SDPA's product (0 x NaN = NaN), so padding never reads another sequence's blocks
     decode_blocks: torch.Tensor
@@ -48,35 +45,111 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
+        prefills: list[SequenceChunk],
+        decodes: list[SequenceChunk],
+        block_size: int,
+        window: int | None,
+        device: torch.device | str,
+    ) -> "SdpaPath":
+        width = max((len(c.block_table) for c in decodes), default=0)
+        return cls(
+            prefills=tuple(_prefill(c, block_size, window, device) for c in prefills),
+            decode_blocks=_long(
+                [c.block_table + c.block_table[:1] * (width - len(c.block_table)) for c in decodes],
+                device,
+            ),
+            decode_mask=_decode_mask(decodes, width * block_size, window, device),
+        )
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """The Triton kernels' path (CUDA): one varlen prefill_attention launch for every prefill
+    chunk, one paged_decode_attention launch for every decode. Block tables are cut to the blocks
+    holding each context and padded with block 0, which the kernels never read."""
+
+    decode_tables: torch.Tensor  # [decodes, max_blocks] int32
+    decode_contexts: torch.Tensor  # [decodes] int32: cached + 1
+    prefill_tables: torch.Tensor  # [prefills, max_blocks] int32
+    query_starts: torch.Tensor  # [prefills] int32: each chunk's first row of the flattened batch
+    query_lens: torch.Tensor  # [prefills] int32
+    prefill_contexts: torch.Tensor  # [prefills] int32: cached + new tokens
+    tiles: torch.Tensor  # [tiles, 2] int32: prefill_attention's work list
+    sliding_window: int | None
+
+    @classmethod
+    def build(
+        cls,
+        prefills: list[SequenceChunk],
+        decodes: list[SequenceChunk],
+        block_size: int,
+        window: int | None,
+        device: torch.device | str,
+    ) -> "KernelPath":
+        query_lens = [c.num_tokens for c in prefills]
+        contexts = [c.cached + c.num_tokens for c in prefills]
+        return cls(
+            decode_tables=_block_tables(decodes, block_size, device),
+            decode_contexts=_int32([c.cached + 1 for c in decodes], device),
+            prefill_tables=_block_tables(prefills, block_size, device),
+            query_starts=_int32([c.token_start for c in prefills], device),
+            query_lens=_int32(query_lens, device),
+            prefill_contexts=_int32(contexts, device),
+            tiles=prefill_tiles(query_lens, contexts, device),
+            sliding_window=window,
+        )
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, built once and used by every layer; `path` holds
+    the inputs of the path this step's device runs."""
+
+    positions: torch.Tensor  # [tokens] position of every new token in its sequence
+    cache_slots: torch.Tensor  # [tokens] flat cache index (block * block_size + offset) to write it to
+    decode_tokens: torch.Tensor  # [decodes] rows of the flattened batch
+    path: SdpaPath | KernelPath
+
+    @classmethod
+    def build(
+        cls,
         chunks: list[SequenceChunk],
         block_size: int,
         sliding_window: int | None,
         device: torch.device | str,
+        kernels: bool | None = None,
     ) -> "AttentionMetadata":
+        """kernels: take the Triton kernels' path (default: on CUDA) rather than SDPA's."""
         positions, slots = [], []
         for c in chunks:
             for p in range(c.cached, c.cached + c.num_tokens):
                 positions.append(p)
                 slots.append(c.block_table[p // block_size] * block_size + p % block_size)
         decodes = [c for c in chunks if c.num_tokens == 1]
-        width = max((len(c.block_table) for c in decodes), default=0)
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        if kernels is None:
+            kernels = torch.device(device).type == "cuda"
+        path = KernelPath if kernels else SdpaPath
         return cls(
             positions=_long(positions, device),
             cache_slots=_long(slots, device),
-            prefills=tuple(
-                _prefill(c, block_size, sliding_window, device) for c in chunks if c.num_tokens > 1
-            ),
             decode_tokens=_long([c.token_start for c in decodes], device),
-            decode_blocks=_long(
-                [c.block_table + c.block_table[:1] * (width - len(c.block_table)) for c in decodes],
-                device,
-            ),
-            decode_mask=_decode_mask(decodes, width * block_size, sliding_window, device),
+            path=path.build(prefills, decodes, block_size, sliding_window, device),
         )
 
 
 def _long(values: list, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _int32(values: list, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _block_tables(chunks: list[SequenceChunk], block_size: int, device) -> torch.Tensor:
+    tables = [c.block_table[: -(-(c.cached + c.num_tokens) // block_size)] for c in chunks]
+    width = max((len(t) for t in tables), default=0)
+    return _int32([t + [0] * (width - len(t)) for t in tables], device).view(len(tables), width)
 
 
 def _prefill(chunk: SequenceChunk, block_size: int, window: int | None, device) -> PrefillAttention:
@@ -114,17 +187,38 @@ def attend(
     scale: float,
 ) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] of the new tokens, which
-    are written into the cache first. Returns [tokens, heads, head_dim]."""
+    are written into the cache first. Returns [tokens, heads, head_dim], by the path meta.path
+    names."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]  # [blocks, block_size, kv_heads, hd]
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.cache_slots, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.cache_slots, v)
+    if isinstance(meta.path, KernelPath):
+        return _attend_kernels(q, k_cache, v_cache, meta.decode_tokens, meta.path, scale)
+    return _attend_sdpa(q, k_cache, v_cache, meta.decode_tokens, meta.path, scale)
+
+
+def _attend_kernels(q, k_cache, v_cache, decode_tokens, path: KernelPath, scale) -> torch.Tensor:
+    out = prefill_attention(
+        q, k_cache, v_cache, path.prefill_tables, path.query_starts, path.query_lens,
+        path.prefill_contexts, path.tiles, scale, path.sliding_window,
+    )  # fmt: skip
+    if decode_tokens.numel():
+        qd = q.index_select(0, decode_tokens)  # [decodes, heads, hd]
+        od = paged_decode_attention(
+            qd, k_cache, v_cache, path.decode_tables, path.decode_contexts, scale, path.sliding_window
+        )
+        out.index_copy_(0, decode_tokens, od)
+    return out
+
+
+def _attend_sdpa(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -> torch.Tensor:
     out = torch.empty_like(q)
-    for p in meta.prefills:
+    for p in path.prefills:
         kp = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]  # [context, kv_heads, hd]
         vp = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]
         out[p.tokens] = _attend_one(q[p.tokens], kp, vp, p.mask, scale)
-    if meta.decode_tokens.numel():
-        out.index_copy_(0, meta.decode_tokens, _attend_decodes(q, k_cache, v_cache, meta, scale))
+    if decode_tokens.numel():
+        out.index_copy_(0, decode_tokens, _attend_decodes(q, k_cache, v_cache, decode_tokens, path, scale))
     return out
 
 
@@ -142,12 +236,12 @@ def _attend_one(q, k, v, mask, scale) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
-def _attend_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale) -> torch.Tensor:
+def _attend_decodes(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -> torch.Tensor:
     # index_select, not advanced indexing: several times faster for these gathers on CPU
-    decodes = meta.decode_blocks.shape[0]
-    blocks = meta.decode_blocks.flatten()  # [decodes*width]
-    qd = q.index_select(0, meta.decode_tokens)[:, :, None, :]  # [decodes, heads, 1, hd]
+    decodes = path.decode_blocks.shape[0]
+    blocks = path.decode_blocks.flatten()  # [decodes*width]
+    qd = q.index_select(0, decode_tokens)[:, :, None, :]  # [decodes, heads, 1, hd]
     kd = k_cache.index_select(0, blocks).view(decodes, -1, *k_cache.shape[2:]).transpose(1, 2)
     vd = v_cache.index_select(0, blocks).view(decodes, -1, *v_cache.shape[2:]).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=path.decode_mask, scale=scale, enable_gqa=True)
     return o[:, :, 0, :]  # [decodes, heads, hd]

@@ -37,21 +37,23 @@ class ForwardBatch:
         device: torch.device | str,
         all_logits: bool = False,
         slot_ranks: list[int] | None = None,
+        kernels: bool | None = None,
     ) -> "ForwardBatch":
-        """slot_ranks[s]: the rank of the adapter in slot s, so kernels skip padded ranks."""
+        """slot_ranks[s]: the rank of the adapter in slot s, so kernels skip padded ranks.
+        kernels: attention and LoRA take the Triton kernels' path (default: on CUDA)."""
         chunks, token_ids, slots, start = [], [], [], 0
         for s in seqs:
             chunks.append(SequenceChunk(s.block_table, s.cached, len(s.token_ids), start))
             token_ids += s.token_ids
             slots += [s.slot] * len(s.token_ids)
             start += len(s.token_ids)
-        attention = AttentionMetadata.build(chunks, block_size, sliding_window, device)
+        attention = AttentionMetadata.build(chunks, block_size, sliding_window, device, kernels)
         last_rows = [c.token_start + c.num_tokens - 1 for c in chunks]
         return cls(
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=attention.positions,
             attention=attention,
-            lora=LoraBatch.build(slots, device, slot_ranks=slot_ranks)
+            lora=LoraBatch.build(slots, device, slot_ranks=slot_ranks, kernels=kernels)
             if any(s >= 0 for s in slots)
             else None,
             logit_rows=torch.arange(start, device=device)

@@ -69,8 +69,11 @@ def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int]]:
     return runner, slots
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, tiny_models, tiny_adapters):
+def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, tiny_models, tiny_adapters):
+    """On the torch path, and on the Triton kernels' path (attention and LoRA; in the interpreter
+    here, compiled on a GPU)."""
     adapter_dirs = tiny_adapters[model_type]
     reference = _peft_model(tiny_models[model_type], adapter_dirs)
     runner, slots = _runner(tiny_models[model_type], adapter_dirs)
@@ -84,6 +87,7 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, tiny_models
     prefill = runner.forward(
         [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
         all_logits=True,
+        kernels=kernels,
     )
     expected = _peft_logits(reference, sequences, adapters)
     torch.testing.assert_close(prefill, torch.cat(expected), atol=ATOL, rtol=0)
@@ -94,7 +98,7 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, tiny_models
             SequenceInput([tok], len(s), t, slot)
             for tok, s, t, slot in zip(next_ids, sequences, tables, slot_of, strict=True)
         ]
-        decoded = runner.forward(decode_inputs)
+        decoded = runner.forward(decode_inputs, kernels=kernels)
         sequences = [[*s, tok] for s, tok in zip(sequences, next_ids, strict=True)]
         expected = _peft_logits(reference, sequences, adapters)
         torch.testing.assert_close(decoded, torch.stack([e[-1] for e in expected]), atol=ATOL, rtol=0)

@@ -1,0 +1,89 @@
+"""attend on the Triton kernels' path (in Triton's interpreter on CPU) against the SDPA path, for
+one mixed step: whole prompts, prefill chunks after cached positions and decodes, with GQA."""
+
+import random
+
+import pytest
+import torch
+
+from inference_service.model.attention import AttentionMetadata, KernelPath, SdpaPath, SequenceChunk, attend
+from inference_service.model.kv_cache import KVCache
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 16, 4
+# (cached, new tokens) per sequence, in batch order
+STEP = [(0, 9), (5, 1), (12, 7), (0, 1), (30, 1), (3, 2), (0, 17)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _chunks() -> tuple[list[SequenceChunk], int]:
+    """The step's chunks, each table scattered over the cache with a spare block past its context."""
+    sizes = [-(-(cached + new) // BLOCK_SIZE) + 1 for cached, new in STEP]
+    blocks = list(range(sum(sizes)))
+    random.Random(0).shuffle(blocks)
+    chunks, start = [], 0
+    for (cached, new), size in zip(STEP, sizes, strict=True):
+        chunks.append(SequenceChunk(blocks[:size], cached, new, start))
+        blocks, start = blocks[size:], start + new
+    return chunks, sum(sizes)
+
+
+def test_the_device_chooses_the_path():
+    chunks, _ = _chunks()
+    assert isinstance(AttentionMetadata.build(chunks, BLOCK_SIZE, None, "cpu").path, SdpaPath)
+    assert isinstance(AttentionMetadata.build(chunks, BLOCK_SIZE, None, "cpu", kernels=True).path, KernelPath)
+
+
+def _inputs(num_blocks: int, dtype: torch.dtype, device="cpu"):
+    """q, k, v of the step's new tokens, and random stale values for every cache row."""
+    torch.manual_seed(0)
+    tokens = sum(new for _, new in STEP)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in range(2))
+    stale = torch.randn(2, 1, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    return q, k, v, stale
+
+
+def _cache(stale: torch.Tensor) -> KVCache:
+    cache = KVCache(1, stale.shape[2], BLOCK_SIZE, KV_HEADS, HEAD_DIM, stale.dtype, stale.device)
+    cache.k.copy_(stale[0])
+    cache.v.copy_(stale[1])
+    return cache
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_path_matches_sdpa_path(window, dtype):
+    chunks, num_blocks = _chunks()
+    q, k, v, stale = _inputs(num_blocks, dtype)
+    outs, caches = [], []
+    for kernels in (False, True):
+        cache = _cache(stale)
+        meta = AttentionMetadata.build(chunks, BLOCK_SIZE, window, "cpu", kernels=kernels)
+        outs.append(attend(q, k, v, cache, 0, meta, HEAD_DIM**-0.5))
+        caches.append(cache)
+    for c in chunks:
+        for row, p in enumerate(range(c.cached, c.cached + c.num_tokens), start=c.token_start):
+            block, offset = c.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE
+            assert torch.equal(caches[1].k[0, block, offset], k[row])
+            assert torch.equal(caches[1].v[0, block, offset], v[row])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_kernel_path_replays_in_a_cuda_graph():
+    chunks, num_blocks = _chunks()
+    q, k, v, stale = _inputs(num_blocks, torch.bfloat16, "cuda")
+    meta = AttentionMetadata.build(chunks, BLOCK_SIZE, 6, "cuda")
+    assert isinstance(meta.path, KernelPath)
+    cache = _cache(stale)
+    expected = attend(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)  # compiles the kernels before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
+    cache.k.copy_(stale[0])
+    cache.v.copy_(stale[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
