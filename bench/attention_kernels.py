@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.lora_kernels import copy_bandwidth, cuda_seconds, graph_seconds
+from bench.cuda_timing import copy_bandwidth, cuda_seconds, graph_seconds
 from inference_service.model.attention import AttentionMetadata, SequenceChunk, attend
 from inference_service.model.kv_cache import KVCache
 from kernels.paged_decode_attention import paged_decode_attention

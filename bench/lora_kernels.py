@@ -1,7 +1,8 @@
 """The Triton LoRA kernels on a GPU: achieved bytes/s of shrink + expand for decode batches
 against the device's measured copy bandwidth, over batch size, distinct adapters and rank, side
 by side with plain torch (A and B gathered per token, then bmm); then the engine's decode
-tokens/s with 8 rank-16 adapters against the base model. Needs CUDA.
+tokens/s with 8 rank-16 adapters against the base model. Also prints bench.attention_kernels'
+decode table (paged decode attention against copy bandwidth). Needs CUDA.
 
 Kernel times are replays of a CUDA graph holding 20 calls, so they are the GPU's time without
 Python's launch cost (which a serving step pays once per step under a graph); `eager us` is the
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from bench.attention_kernels import decode_attention_table
 from bench.cache import default_model_dir
+from bench.cuda_timing import copy_bandwidth, cuda_seconds, graph_seconds
 from bench.engine_overhead import decode_rate
 from bench.random_adapter import write_random_adapter
 from inference_service.engine import Engine, EngineConfig
@@ -29,37 +32,6 @@ from kernels.lora_shrink import lora_shrink_triton
 from shared.dtypes import DTYPES
 
 BATCHES, ADAPTERS, RANKS = (1, 8, 32, 64, 128, 256), (1, 4, 16, 32), (8, 16, 32, 64)
-
-
-def cuda_seconds(fn, repeats: int = 20) -> float:
-    """Median seconds of fn() on the GPU, timed with CUDA events."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
-
-
-def graph_seconds(fn, calls: int = 20) -> float:
-    """Median GPU seconds of one fn() inside a CUDA graph of `calls` calls: no launch overhead."""
-    fn()  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return cuda_seconds(graph.replay) / calls
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src))  # read + write
 
 
 @dataclass(frozen=True)
@@ -134,6 +106,9 @@ def main() -> None:
                     f"{rate / peak:10.1%}   {t.torch_gather_bmm * 1e6:19.1f}  "
                     f"{t.torch_gather_bmm / t.ours:8.2f}  {t.ours_eager * 1e6:9.1f}"
                 )
+    print("decode attention, Llama-3-8B shape (bench.attention_kernels):")
+    with torch.inference_mode():
+        print("\n".join(decode_attention_table(peak, DTYPES[args.dtype])))
     base, lora = engine_overhead()
     print(
         f"engine decode tok/s, default model, 32 requests: base {base:.1f}, 8 rank-16 adapters {lora:.1f}, "
