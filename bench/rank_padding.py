@@ -26,7 +26,7 @@ SEQUENCES, ADAPTERS, ADAPTER_RANK, CONTEXT = 32, 8, 8, 64
 
 def decode_seconds(runner: ModelRunner, slots: list[int], steps: int) -> float:
     """Seconds per decode step of SEQUENCES sequences after a CONTEXT-token prefill."""
-    allocator = BlockAllocator(runner.cache.num_blocks)
+    allocator = BlockAllocator(runner.num_blocks)
     tables = [allocator.allocate(-(-(CONTEXT + steps) // runner.config.block_size)) for _ in slots]
     runner.forward([SequenceInput([7] * CONTEXT, 0, t, s) for t, s in zip(tables, slots, strict=True)])
     start = time.perf_counter()

@@ -120,27 +120,30 @@ def _expand_kernel(
     offset = tl.where(s == 0, off0, tl.where(s == 1, off1, off2))
     b_ptr = tl.where(s == 0, b0_ptr, tl.where(s == 1, b1_ptr, b2_ptr))
     segment = tl.load(tile_segments_ptr + tile)
-    rows = tl.load(tile_rows_ptr + tile) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(lengths_ptr + segment)
-    tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
-    slot = tl.load(slots_ptr + segment)
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)  # padded ranks are never read
-    n = (column_block - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < size
-    buf_ptrs = partials_ptr + (tokens[:, None] * num_slices + s) * max_rank + r[None, :]
-    buf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for split in range(0, splits):  # in order: the same sum whatever ran first
-        buf += tl.load(
-            buf_ptrs + split * num_tokens * num_slices * max_rank, mask=row_ok[:, None] & r_ok[None, :]
+    first_row, length = tl.load(tile_rows_ptr + tile), tl.load(lengths_ptr + segment)
+    if first_row < length:  # a spare tile of a CUDA graph's static table does nothing
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_ok = rows < length
+        tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
+        slot = tl.load(slots_ptr + segment)
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)  # padded ranks are never read
+        n = (column_block - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < size
+        buf_ptrs = partials_ptr + (tokens[:, None] * num_slices + s) * max_rank + r[None, :]
+        buf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for split in range(0, splits):  # in order: the same sum whatever ran first
+            buf += tl.load(
+                buf_ptrs + split * num_tokens * num_slices * max_rank, mask=row_ok[:, None] & r_ok[None, :]
+            )
+        b = tl.load(
+            b_ptr + slot * (max_rank * size) + r[:, None] * size + n[None, :],
+            mask=r_ok[:, None] & n_ok[None, :],
         )
-    b = tl.load(
-        b_ptr + slot * (max_rank * size) + r[:, None] * size + n[None, :], mask=r_ok[:, None] & n_ok[None, :]
-    )
-    delta = dot(buf.to(b_ptr.dtype.element_ty), b, DOT_FP32)  # [M, N]
-    y = y_ptr + tokens[:, None] * y_stride + offset + n[None, :]
-    keep = row_ok[:, None] & n_ok[None, :]
-    tl.store(y, (tl.load(y, mask=keep).to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
+        delta = dot(buf.to(b_ptr.dtype.element_ty), b, DOT_FP32)  # [M, N]
+        y = y_ptr + tokens[:, None] * y_stride + offset + n[None, :]
+        keep = row_ok[:, None] & n_ok[None, :]
+        tl.store(y, (tl.load(y, mask=keep).to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
 
 
 def lora_expand_ref(

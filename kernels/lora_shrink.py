@@ -95,25 +95,27 @@ def _shrink_kernel(
 ):  # fmt: skip
     tile, s, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     segment = tl.load(tile_segments_ptr + tile)
-    rows = tl.load(tile_rows_ptr + tile) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(lengths_ptr + segment)
-    tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
-    slot = tl.load(slots_ptr + segment)
-    r = tl.arange(0, BLOCK_R)
-    # Ranks past the adapter's own are never read: padding costs no memory traffic.
-    r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)
-    a_rows = a_ptr + slot * a_stride_slot + s * a_stride_slice + r * in_features
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    k_start = split * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < in_features
-        x = tl.load(x_ptr + tokens[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
-        a = tl.load(a_rows[None, :] + k[:, None], mask=r_ok[None, :] & k_ok[:, None])  # [K, R]
-        acc += dot(x, a, DOT_FP32)  # [M, R]
-    num_slices = tl.num_programs(1)
-    out = partials_ptr + ((split * num_tokens + tokens[:, None]) * num_slices + s) * max_rank + r[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & (r[None, :] < max_rank))
+    first_row, length = tl.load(tile_rows_ptr + tile), tl.load(lengths_ptr + segment)
+    if first_row < length:  # a spare tile of a CUDA graph's static table does nothing
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_ok = rows < length
+        tokens = tl.load(tokens_ptr + tl.load(starts_ptr + segment) + rows, mask=row_ok, other=0)
+        slot = tl.load(slots_ptr + segment)
+        r = tl.arange(0, BLOCK_R)
+        # Ranks past the adapter's own are never read: padding costs no memory traffic.
+        r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)
+        a_rows = a_ptr + slot * a_stride_slot + s * a_stride_slice + r * in_features
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        k_start = split * k_per_split
+        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < in_features
+            x = tl.load(x_ptr + tokens[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
+            a = tl.load(a_rows[None, :] + k[:, None], mask=r_ok[None, :] & k_ok[:, None])  # [K, R]
+            acc += dot(x, a, DOT_FP32)  # [M, R]
+        num_slices = tl.num_programs(1)
+        out = partials_ptr + ((split * num_tokens + tokens[:, None]) * num_slices + s) * max_rank + r[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & (r[None, :] < max_rank))
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_tokens: int = 32768  # capacity of the paged KV cache, in token positions
     block_size: int = 16  # token positions per KV cache block
     step_timeout_s: float = 60.0  # a step running longer is a hung engine: every request fails
+    cuda_graphs: bool = True  # on a GPU, decode steps replay CUDA graphs; False runs every step eagerly
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

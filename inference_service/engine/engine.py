@@ -67,9 +67,7 @@ class Engine:
         pinned = self.runner.device.type == "cuda"
         self.host = HostTier(config.max_cpu_loras, self.loader, pinned, self._wakeup.set)
         self.slots = SlotPool(config.max_loras)
-        self.scheduler = Scheduler(
-            config, BlockAllocator(self.runner.cache.num_blocks), self.slots, self.host
-        )
+        self.scheduler = Scheduler(config, BlockAllocator(self.runner.num_blocks), self.slots, self.host)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
         self.streams = Streams(self.tokenizer, eos)
         self.metrics = EngineMetrics()

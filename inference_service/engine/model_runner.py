@@ -6,9 +6,11 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.engine.config import EngineConfig
+from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
+from inference_service.model.decode_buffers import DecodeBuffers
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel
@@ -34,9 +36,10 @@ class ModelRunner:
             self.model_config, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device
         )
         load_weights(self.model, config.model)
+        self.num_blocks = -(-config.kv_cache_tokens // config.block_size)  # blocks sequences may hold
         self.cache = KVCache(
             self.model_config.num_layers,
-            -(-config.kv_cache_tokens // config.block_size),
+            self.num_blocks + 1,  # and the scratch block the padding rows of a decode graph write to
             config.block_size,
             self.model_config.num_kv_heads,
             self.model_config.head_dim,
@@ -45,6 +48,21 @@ class ModelRunner:
         )
         self._linears = self.model.lora_linears()
         self._slot_ranks = [0] * config.max_loras  # rank of the adapter in each slot
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
+
+    def decode_buffers(self) -> DecodeBuffers:
+        """Static inputs for decode steps of up to max_num_seqs sequences of up to max_model_len."""
+        max_len = min(self.config.max_model_len, self.model_config.max_position_embeddings)
+        return DecodeBuffers(
+            self.config.max_num_seqs,
+            -(-max_len // self.config.block_size),
+            self.config.block_size,
+            self.num_blocks,  # the scratch block
+            self.model_config.sliding_window,
+            self.device,
+        )
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
@@ -52,7 +70,11 @@ class ModelRunner:
         end. A row whose logits hold NaN or Inf (weights that overflow in the serving dtype)
         draws nothing, and its sequence's KV blocks are zeroed before anyone else gets them:
         attention multiplies masked positions by 0, and 0 x NaN is NaN."""
-        logits = self.forward([_input(c) for c in chunks])  # [chunks, vocab]
+        inputs = [_input(c) for c in chunks]
+        if self.graphs is not None and all(c.num_tokens == 1 for c in chunks):
+            logits = self.graphs.run(inputs, self._slot_ranks)  # [chunks, vocab]
+        else:
+            logits = self.forward(inputs)  # [chunks, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()  # [chunks]
         non_finite = [c.seq for c, ok in zip(chunks, finite, strict=True) if not ok]
         for seq in non_finite:
@@ -83,18 +105,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def load_slot(self, slot: int, adapter: AdapterWeights) -> None:
-        """Copy an adapter into device slot `slot`; modules it does not target stay zero."""
+        """Copy an adapter into device slot `slot`; modules it does not target stay zero. The
+        slot is zeroed in one multi-tensor launch, not one per buffer; the copies are async from
+        the host tier's page-locked memory (one per module: its tensors are separate there)."""
         self.clear_slot(slot)
         self._slot_ranks[slot] = adapter.rank
+        targets, sources = [], []
         for (layer, module), weights in adapter.modules.items():
             packed, slice_index = PACKED_MODULES[module]
-            self._linears[(layer, packed)].set_slice(slot, slice_index, weights.a, weights.b_t)
+            linear = self._linears[(layer, packed)]
+            targets += linear.slice_views(slot, slice_index, weights.a.shape[0])
+            sources += [weights.a, weights.b_t]
+        torch._foreach_copy_(targets, sources, non_blocking=True)
 
     @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         self._slot_ranks[slot] = 0
-        for linear in self._linears.values():
-            linear.clear_slot(slot)
+        torch._foreach_zero_([view for linear in self._linears.values() for view in linear.slot_views(slot)])
 
 
 def _input(chunk: ScheduledChunk) -> SequenceInput:

@@ -4,6 +4,7 @@ the cache through block tables, elsewhere SDPA in torch runs over gathered block
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -120,22 +121,30 @@ class AttentionMetadata:
         kernels: bool | None = None,
     ) -> "AttentionMetadata":
         """kernels: take the Triton kernels' path (default: on CUDA) rather than SDPA's."""
-        positions, slots = [], []
-        for c in chunks:
-            for p in range(c.cached, c.cached + c.num_tokens):
-                positions.append(p)
-                slots.append(c.block_table[p // block_size] * block_size + p % block_size)
+        positions, slots = _positions_and_slots(chunks, block_size)
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
         path = KernelPath if kernels else SdpaPath
         return cls(
-            positions=_long(positions, device),
-            cache_slots=_long(slots, device),
+            positions=torch.from_numpy(positions).to(device),
+            cache_slots=torch.from_numpy(slots).to(device),
             decode_tokens=_long([c.token_start for c in decodes], device),
             path=path.build(prefills, decodes, block_size, sliding_window, device),
         )
+
+
+def _positions_and_slots(chunks: list[SequenceChunk], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every new token's position, and the flat cache index it is written to: vectorized per
+    chunk, so a long prefill costs numpy's time, not a Python loop's."""
+    spans = [np.arange(c.cached, c.cached + c.num_tokens, dtype=np.int64) for c in chunks]
+    blocks = [
+        np.asarray(c.block_table, dtype=np.int64)[span // block_size]
+        for c, span in zip(chunks, spans, strict=True)
+    ]
+    positions = np.concatenate([np.zeros(0, np.int64), *spans])
+    return positions, np.concatenate([np.zeros(0, np.int64), *blocks]) * block_size + positions % block_size
 
 
 def _long(values: list, device) -> torch.Tensor:

@@ -51,28 +51,27 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [tokens, out]
-        if lora is None or not lora.segments:
+        if lora is None:
             return y
-        if lora.table is not None:  # the Triton kernels' path
+        if lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing
             partials = lora_shrink_triton(x, self.lora_a, lora)  # [splits, tokens, slices, rank] fp32
             return lora_expand_triton(y, partials, self.lora_b, lora)
+        if not lora.segments:
+            return y
         if lora.padded is not None:  # decode steps on the CPU: stay in the padded layout in between
             padded = shrink_padded(x, self.lora_a, lora.padded)  # [slots, slices*rank, rows]
             return expand_padded(y, padded, self.lora_b, lora.padded)
         buf = lora_shrink(x, self.lora_a, lora)  # [tokens, slices, rank]
         return lora_expand(y, buf, self.lora_b, lora)
 
-    def set_slice(self, slot: int, slice_index: int, a: torch.Tensor, b_t: torch.Tensor) -> None:
-        """Write one adapter's A [rank, in] and scaled B^T [rank, slice_out] for one slice;
-        ranks below max_rank are zero-padded. From pinned host memory the copies are async."""
-        rank = a.shape[0]
-        self.lora_a[slot, slice_index, :rank].copy_(a, non_blocking=True)
-        self.lora_b[slice_index][slot, :rank].copy_(b_t, non_blocking=True)
+    def slice_views(self, slot: int, slice_index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where one adapter's A [rank, in] and scaled B^T [rank, slice_out] for one slice go;
+        ranks from `rank` to max_rank stay zero."""
+        return self.lora_a[slot, slice_index, :rank], self.lora_b[slice_index][slot, :rank]
 
-    def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        for b in self.lora_b:
-            b[slot].zero_()
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        """Every buffer region of one slot, A and each slice's B."""
+        return [self.lora_a[slot], *(b[slot] for b in self.lora_b)]
 
 
 def _slice_offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

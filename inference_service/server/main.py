@@ -39,6 +39,9 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         default=60.0,
         help="seconds one engine step may run before the worker exits",
     )
+    p.add_argument(
+        "--eager", action="store_true", help="on a GPU, run decode steps eagerly instead of from CUDA graphs"
+    )
     p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
     p.add_argument(
@@ -64,6 +67,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs,
         kv_cache_tokens=args.kv_cache_tokens,
         step_timeout_s=args.step_timeout,
+        cuda_graphs=not args.eager,
     )
     return WorkerConfig(
         engine=engine,

@@ -9,6 +9,7 @@ import torch
 
 from inference_service.adapters.local_loader import LocalAdapterLoader
 from inference_service.engine import Engine, EngineConfig, Request
+from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.sampling import SamplingParams
 from shared.errors import NotFound
 from shared.model_config import ModelConfig
@@ -104,6 +105,34 @@ def test_staggered_mixed_adapters_equal_peft_alone(
     for i, tokens in enumerate(expected):
         assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
     _assert_idle(engine)
+
+
+def test_decode_steps_from_the_static_graph_buffers_equal_peft(tiny_models, tiny_adapters, peft_reference):
+    """The CUDA-graph decode path without the capture: every decode step refills the static
+    buffers and runs the bucket's batch through the Triton kernels (in the interpreter here), with
+    padding rows, buckets of several sizes, and adapters swapping in two slots between steps."""
+    prompts, expected = peft_reference
+    engine = _engine(tiny_models, tiny_adapters, max_loras=2, max_num_seqs=6, max_num_batched_tokens=16)
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.cache, runner.decode_buffers(), capture=False)
+    assert runner.graphs.buckets == [1, 2, 4, 6]
+    got = _run_staggered(engine, prompts)
+    for i, tokens in enumerate(expected):
+        assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
+    _assert_idle(engine)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager_decode_with_adapters_swapping(
+    tiny_models, tiny_adapters, peft_reference
+):
+    prompts, _ = peft_reference
+    runs = {}
+    for graphs in (False, True):
+        engine = _engine(tiny_models, tiny_adapters, device="cuda", max_loras=2, cuda_graphs=graphs)
+        assert (engine.runner.graphs is not None) == graphs
+        runs[graphs] = _run_staggered(engine, prompts)
+    assert runs[True] == runs[False]
 
 
 @pytest.mark.gpu

@@ -77,7 +77,7 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, ti
     adapter_dirs = tiny_adapters[model_type]
     reference = _peft_model(tiny_models[model_type], adapter_dirs)
     runner, slots = _runner(tiny_models[model_type], adapter_dirs)
-    allocator = BlockAllocator(runner.cache.num_blocks)
+    allocator = BlockAllocator(runner.num_blocks)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
     adapters = [a for a, _ in ROWS]
@@ -107,7 +107,7 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, ti
 def test_chunked_prefill_equals_one_shot_prefill(tiny_models, tiny_adapters):
     """A prompt fed in three chunks (steps) gives the logits the whole prompt gives."""
     runner, slots = _runner(tiny_models["mistral"], tiny_adapters["mistral"])
-    allocator = BlockAllocator(runner.cache.num_blocks)
+    allocator = BlockAllocator(runner.num_blocks)
     prompt = list(range(10, 30))
     whole = runner.forward([SequenceInput(prompt, 0, allocator.allocate(5), slots["all8"])], all_logits=True)
     table = allocator.allocate(5)
@@ -121,7 +121,7 @@ def test_chunked_prefill_equals_one_shot_prefill(tiny_models, tiny_adapters):
 def test_adapter_changes_logits_and_cleared_slot_is_base(tiny_models, tiny_adapters):
     """Guards the reference test against a no-op LoRA path: adapters really move the logits."""
     runner, slots = _runner(tiny_models["llama"], tiny_adapters["llama"])
-    allocator = BlockAllocator(runner.cache.num_blocks)
+    allocator = BlockAllocator(runner.num_blocks)
     prompt = [5, 6, 7, 8]
 
     def logits(slot):
