@@ -20,3 +20,8 @@ def test_step_timeout_defaults_to_a_minute_and_must_be_positive():
     for bad in ("0", "-1", "nan"):
         with pytest.raises(InvalidArgument, match="step_timeout_s must be a positive number"):
             parse_config(["--model", "m", "--step-timeout", bad])
+
+
+def test_decode_steps_use_cuda_graphs_unless_eager():
+    assert parse_config(["--model", "m"]).engine.cuda_graphs is True
+    assert parse_config(["--model", "m", "--eager"]).engine.cuda_graphs is False
