@@ -34,7 +34,7 @@ def decode_rates(runs: list[tuple[Engine, list[str | None]]], prompt_len: int, t
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for engine, adapters in runs:
         for i, adapter in enumerate(adapters):
-            engine.submit(Request([100 + i] * prompt_len, adapter, params), lambda delta: None)
+            engine.submit(Request(prompt_ids(i, prompt_len), adapter, params), lambda delta: None)
     seconds, decoded = [0.0] * len(runs), [0] * len(runs)
     while any(engine.has_work for engine, _ in runs):
         for i, (engine, _) in enumerate(runs):
@@ -43,6 +43,11 @@ def decode_rates(runs: list[tuple[Engine, list[str | None]]], prompt_len: int, t
                 seconds[i] += took if batch else 0
                 decoded[i] += batch
     return [d / s for d, s in zip(decoded, seconds, strict=True)]
+
+
+def prompt_ids(request: int, length: int) -> list[int]:
+    """The prompt of the i-th request these benchmarks send: one ordinary token id, repeated."""
+    return [100 + request] * length
 
 
 def timed_step(engine: Engine) -> tuple[float, int]:

@@ -40,7 +40,7 @@ Progress = Callable[[str], None]
 class Job:
     """One request of the workload, as both sides get it."""
 
-    adapter: str
+    adapter: str | None  # None: the base model
     prompt: list[int]
     tokens: int  # new tokens to generate
 
@@ -75,34 +75,45 @@ def loramux_run(engine: Engine, jobs: list[Job]) -> Run:
 
 def hf_run(model: torch.nn.Module, jobs: list[Job]) -> Run:
     """One generate call over the left-padded batch, as an HF + PEFT user writes it; rows run to
-    the longest output and each keeps its first `tokens` new tokens."""
+    the longest output and each keeps its first `tokens` new tokens. Jobs without adapters run on
+    a plain transformers model."""
     width = max(len(job.prompt) for job in jobs)
     ids = torch.tensor([[PAD_ID] * (width - len(job.prompt)) + job.prompt for job in jobs])  # [rows, width]
     mask = torch.tensor([[0] * (width - len(job.prompt)) + [1] * len(job.prompt) for job in jobs])
+    adapters = [job.adapter for job in jobs]
     start = time.perf_counter()
     out = model.generate(  # [rows, width + max tokens]
-        input_ids=ids,
-        attention_mask=mask,
-        adapter_names=[job.adapter for job in jobs],
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        **({"adapter_names": adapters} if any(adapters) else {}),  # PEFT's argument; transformers rejects it
         max_new_tokens=max(job.tokens for job in jobs),
         do_sample=False,
         eos_token_id=None,  # no EOS stopping criterion: every row runs to max_new_tokens
         pad_token_id=PAD_ID,
     )
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)  # the clock stops when the GPU is done, not when it was told
     seconds = time.perf_counter() - start
     return Run(seconds, [out[i, width : width + job.tokens].tolist() for i, job in enumerate(jobs)])
 
 
-def peft_model(model_dir: Path, folders: list[Path]) -> torch.nn.Module:
-    """The base model with every adapter loaded under its folder's name, in eval mode."""
+def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """The transformers model of `model_dir` on `device`, in eval mode."""
     # transformers and peft come with the `test` extra, not `bench`: imported only when this runs
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, folders[0], adapter_name=folders[0].name)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device).eval()
+
+
+def peft_model(base: torch.nn.Module, folders: list[Path]) -> torch.nn.Module:
+    """`base` with every adapter loaded under its folder's name, in eval mode. The adapters keep
+    the base model's dtype, as loramux's slots do (PEFT would upcast bf16 and fp16 ones to fp32)."""
+    from peft import PeftModel
+
+    first = folders[0]
+    model = PeftModel.from_pretrained(base, first, adapter_name=first.name, autocast_adapter_dtype=False)
     for folder in folders[1:]:
-        model.load_adapter(folder, adapter_name=folder.name)
+        model.load_adapter(folder, adapter_name=folder.name, autocast_adapter_dtype=False)
     return model.eval()
 
 
@@ -131,7 +142,7 @@ def hf_peft_vs_loramux(model_dir: Path, repeats: int = 3, progress: Progress = l
         folders = [write_random_adapter(model, Path(tmp) / f"r16-{i}", RANK, seed=i) for i in range(ADAPTERS)]
         sides = {
             "loramux": partial(loramux_run, loramux_engine(model_dir, folders, jobs)),
-            "hf_peft": partial(hf_run, peft_model(model_dir, folders)),
+            "hf_peft": partial(hf_run, peft_model(hf_model(model_dir), folders)),
         }
         with torch.inference_mode():
             values, identical = measure(sides, jobs, repeats, progress)

@@ -11,21 +11,28 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.cache import default_model_dir
-from bench.engine_overhead import REQUESTS, engines_with_adapters
+from bench.engine_overhead import REQUESTS, engines_with_adapters, prompt_ids
 from inference_service.engine import Engine, Request
 from inference_service.sampling import SamplingParams
 
 PROMPT = 32
 
 
-def decode_profile(engine: Engine, adapters: list[str | None], steps: int) -> profile:
-    """Profiles `steps` decode steps, taken once every request has its first token."""
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+def start_decoding(engine: Engine, adapters: list[str | None], prompt: int, tokens: int) -> None:
+    """Submits a request of `prompt` tokens and `tokens` new ones for each entry of `adapters`,
+    then steps until every request has taken its first decode step."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for i, adapter in enumerate(adapters):
-        engine.submit(Request([100 + i] * PROMPT, adapter, params), lambda delta: None)
+        engine.submit(Request(prompt_ids(i, prompt), adapter, params), lambda delta: None)
+    engine.step()  # admits them: submit only queues them for the next step
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
-    engine.step()  # the first decode step, out of the profile
+    engine.step()  # the first decode step, kept out of what the caller measures
+
+
+def decode_profile(engine: Engine, adapters: list[str | None], steps: int) -> profile:
+    """Profiles `steps` decode steps, taken once every request has its first token."""
+    start_decoding(engine, adapters, PROMPT, steps + 2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()

@@ -38,12 +38,17 @@ def larger_llama(models_dir: Path) -> Path:
     return target
 
 
-def write_random_llama(folder: Path, seed: int = 0, **shape) -> Path:
-    """A Llama of `shape` (LlamaConfig fields) with transformers' own random initialization."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # the `test` extra, which bench builds on
+def write_random_llama(
+    folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", **shape
+) -> Path:
+    """A Llama of `shape` (LlamaConfig fields) with transformers' own random initialization, built
+    in `dtype` on `device`: a GPU draws an 8B model's weights in seconds, the CPU in minutes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # the `test` extra, which bench builds on
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**shape)).to(torch.float32).save_pretrained(folder)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype)
+    model.save_pretrained(folder)  # one model.safetensors up to 50 GB
     return folder
 
 
