@@ -33,13 +33,14 @@ class PaddedLayout:
     first_slot: int
     num_slots: int
     rows: int
+    rank: int  # the largest adapter rank among these slots (FULL_RANK: unknown); ranks past it are never read
     gather: torch.Tensor  # [num_slots*rows] int64
     scatter: torch.Tensor  # [tokens] int64
 
     def from_tokens(self, buf: torch.Tensor) -> torch.Tensor:
         """[tokens, slices, rank] in token order -> [num_slots, slices*rank, rows] padded."""
         tokens, slices, rank = buf.shape
-        padded = buf.view(tokens, slices * rank).index_select(0, self.gather)  # [n*rows, s*r]
+        padded = buf.reshape(tokens, slices * rank).index_select(0, self.gather)  # [n*rows, s*r]
         return padded.view(self.num_slots, self.rows, slices * rank).transpose(1, 2)
 
     def to_tokens(self, padded: torch.Tensor, slices: int) -> torch.Tensor:
@@ -97,9 +98,11 @@ class LoraBatch:
     `segments` are the runs of that grouped order, slot -1 runs left out. `padded` is set when
     the slot-major padded layout wastes at most max_pad_factor x the LoRA rows (decode steps);
     the CPU kernels then use it instead of looping over segments. `table` is set on the Triton
-    kernels' path (`kernels`, by default on CUDA) when a token uses an adapter; `slot_ranks[s]`
-    is the rank of the adapter in slot s, so kernels skip padded ranks (None: every slot at full
-    rank).
+    kernels' path (`kernels`, by default on CUDA) when a token uses an adapter. `slot_ranks[s]`
+    is the rank of the adapter in slot s (None: every slot at full rank): no path reads a rank of
+    A or B past the largest rank of the step's slots, so a step costs what its adapters' ranks
+    cost, not max_lora_rank. Ranks of a slot past its own must hold zeros (a cleared slot): the
+    padded layout reads every slot up to the step's largest rank.
     """
 
     token_slots: torch.Tensor  # [tokens] int64
@@ -107,6 +110,11 @@ class LoraBatch:
     segments: tuple[Segment, ...]
     padded: PaddedLayout | None
     table: SegmentTable | None
+    slot_ranks: tuple[int, ...] | None = None
+
+    def rank(self, slot: int) -> int:
+        """How many ranks of `slot`'s A and B hold its adapter (FULL_RANK: all of them)."""
+        return self.slot_ranks[slot] if self.slot_ranks else FULL_RANK
 
     @classmethod
     def build(
@@ -121,7 +129,8 @@ class LoraBatch:
         slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [tokens]
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
-        padded = None if kernels else _padded_layout(token_slots, max_pad_factor, device)
+        ranks = tuple(slot_ranks) if slot_ranks else None
+        padded = None if kernels else _padded_layout(token_slots, max_pad_factor, ranks, device)
         runs = _runs(token_slots)
         lora_runs = tuple(r for r in runs if r.slot >= 0)
         if len(lora_runs) == len({r.slot for r in lora_runs}):
@@ -131,7 +140,7 @@ class LoraBatch:
             lora_runs = tuple(r for r in _runs([token_slots[i] for i in order]) if r.slot >= 0)
             order_t = torch.tensor(order, dtype=torch.int64, device=device)  # [tokens]
         table = SegmentTable.build(lora_runs, order, slot_ranks, device) if kernels and lora_runs else None
-        return cls(slots, order_t, lora_runs, padded, table)
+        return cls(slots, order_t, lora_runs, padded, table, ranks)
 
 
 def _runs(slots: list[int]) -> list[Segment]:
@@ -145,7 +154,7 @@ def _runs(slots: list[int]) -> list[Segment]:
 
 
 def _padded_layout(
-    token_slots: list[int], max_pad_factor: float, device: torch.device | str
+    token_slots: list[int], max_pad_factor: float, ranks: tuple[int, ...] | None, device: torch.device | str
 ) -> PaddedLayout | None:
     tokens_of: dict[int, list[int]] = {}
     for token, slot in enumerate(token_slots):
@@ -171,6 +180,7 @@ def _padded_layout(
         first,
         num_slots,
         rows,
+        max(ranks[slot] for slot in tokens_of) if ranks else FULL_RANK,
         torch.tensor(gather, dtype=torch.int64, device=device),  # [num_slots*rows]
         torch.tensor(scatter, dtype=torch.int64, device=device),  # [tokens]
     )

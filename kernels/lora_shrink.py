@@ -9,37 +9,53 @@ from kernels.triton_dot import dot, dot_in_fp32
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-    """Semantics: out[i, s] = A[slot_i, s] @ x[i] for every token i with slot_i >= 0, else 0.
+    """Semantics: out[i, s, :r] = A[slot_i, s, :r] @ x[i] for every token i with slot_i >= 0,
+    where r = batch.rank(slot_i); every other entry is 0.
 
     x: [tokens, in]; a: [max_loras, slices, rank, in]; returns [tokens, slices, rank]. The CPU
     paths (a GPU runs lora_shrink_triton): with batch.padded, one batched matmul over the
     slot-major padded rows (shrink_padded); otherwise one matmul per distinct slot over its
-    contiguous run of tokens. Either way all slices go at once (A of one slot viewed as
-    [slices * rank, in]).
+    contiguous run of tokens. Either way all slices of a slot go at once, and only its own
+    ranks are read.
     """
-    if batch.padded is not None:
-        return batch.padded.to_tokens(shrink_padded(x, a, batch.padded), a.shape[1])
     tokens = x.shape[0]
     _, slices, rank, in_features = a.shape
+    if batch.padded is not None:
+        trimmed = batch.padded.to_tokens(shrink_padded(x, a, batch.padded), slices)  # [tokens, slices, r]
+        if trimmed.shape[2] == rank:
+            return trimmed
+        return torch.cat([trimmed, trimmed.new_zeros(tokens, slices, rank - trimmed.shape[2])], dim=2)
     grouped_x = x if batch.order is None else x[batch.order]  # [tokens, in]
-    grouped_out = x.new_zeros(tokens, slices * rank)  # [tokens, slices*rank]
+    grouped_out = x.new_zeros(tokens, slices, rank)  # [tokens, slices, rank]
     for seg in batch.segments:
-        a_slot = a[seg.slot].view(slices * rank, in_features)  # [slices*rank, in]
-        torch.mm(grouped_x[seg.start : seg.end], a_slot.t(), out=grouped_out[seg.start : seg.end])
+        r = min(batch.rank(seg.slot), rank)
+        a_slot = _ranks(a[seg.slot], r).view(slices * r, in_features)  # [slices*r, in]
+        out_seg = grouped_out[seg.start : seg.end]  # [seg_tokens, slices, rank]
+        if r == rank:
+            torch.mm(grouped_x[seg.start : seg.end], a_slot.t(), out=out_seg.view(-1, slices * rank))
+        else:
+            out_seg[:, :, :r] = (grouped_x[seg.start : seg.end] @ a_slot.t()).view(-1, slices, r)
     if batch.order is None:
-        return grouped_out.view(tokens, slices, rank)
-    out = torch.empty_like(grouped_out).index_copy_(0, batch.order, grouped_out)
-    return out.view(tokens, slices, rank)
+        return grouped_out
+    return torch.empty_like(grouped_out).index_copy_(0, batch.order, grouped_out)
 
 
 def shrink_padded(x: torch.Tensor, a: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
-    """lora_shrink in the padded layout: returns [num_slots, slices*rank, rows]."""
+    """lora_shrink in the padded layout: returns [num_slots, slices*r, rows], r = the layout's
+    largest rank (the slots' ranks past it are never read)."""
     _, slices, rank, in_features = a.shape
+    r = min(layout.rank, rank)
     a_slots = a[layout.first_slot : layout.first_slot + layout.num_slots]  # [n, slices, rank, in]
-    a_slots = a_slots.view(layout.num_slots, slices * rank, in_features)  # [n, slices*rank, in]
+    a_slots = _ranks(a_slots, r).view(layout.num_slots, slices * r, in_features)  # [n, slices*r, in]
     x_padded = x.index_select(0, layout.gather).view(layout.num_slots, layout.rows, in_features)
     # A @ x^T streams each slot's A row by row: faster than x @ A^T once A is out of cache
-    return torch.bmm(a_slots, x_padded.transpose(1, 2))  # [n, slices*rank, rows]
+    return torch.bmm(a_slots, x_padded.transpose(1, 2))  # [n, slices*r, rows]
+
+
+def _ranks(a: torch.Tensor, r: int) -> torch.Tensor:
+    """The first r ranks of A [..., slices, rank, in], contiguous: a view at full rank, else a
+    copy of just those rows (slices*r*in, against the slices*rank*in a padded matmul reads)."""
+    return a if r == a.shape[-2] else a[..., :r, :].contiguous()
 
 
 BLOCK_K = 64
@@ -118,7 +134,9 @@ def _shrink_kernel(
         tl.store(out, acc, mask=row_ok[:, None] & (r[None, :] < max_rank))
 
 
-def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+def lora_shrink_ref(
+    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, slot_ranks: list[int] | None = None
+) -> torch.Tensor:
     """Plain per-token loop in fp64: the definition lora_shrink is checked against."""
     tokens = x.shape[0]
     _, slices, rank, _ = a.shape
@@ -126,6 +144,7 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor)
     for i, slot in enumerate(token_slots.tolist()):
         if slot < 0:
             continue
+        r = slot_ranks[slot] if slot_ranks else rank
         for s in range(slices):
-            out[i, s] = a[slot, s].double() @ x[i].double()  # [rank]
+            out[i, s, :r] = a[slot, s, :r].double() @ x[i].double()  # [r]
     return out.to(x.dtype)

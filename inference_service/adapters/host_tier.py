@@ -1,7 +1,7 @@
 """HostTier: ready (validated, optimized) adapters in host memory, LRU, loaded in the background."""
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -40,15 +40,23 @@ class ReadyAdapter:
 
 @dataclass(frozen=True)
 class HostTierStats:
-    hits: int  # gets that found the adapter ready
+    hits: int  # gets that found the adapter ready (a request waiting for a slot counts each step)
     misses: int  # gets that started a load
     evictions: int
     size: int  # adapters ready now
+    request_hits: int  # requests whose adapter was ready when they arrived
+    request_misses: int  # requests that arrived while their adapter was not ready
 
 
 class HostTier:
     """At most `capacity` unpinned adapters stay; pinned ones never leave. A load runs once per
-    name however many requests wait for it; the engine collects finished loads each step."""
+    name however many requests wait for it; the engine collects finished loads each step.
+
+    Waiting requests hold the names they use, from arrival to admission. Eviction drops adapters
+    no waiting request holds first (least recently used first), and a load starts only while the held adapters
+    ready or loading number fewer than `capacity`: a queue naming more adapters than the tier
+    keeps loads them as earlier ones finish, instead of evicting adapters that waiting requests
+    are about to use (thrashing)."""
 
     def __init__(
         self,
@@ -64,21 +72,43 @@ class HostTier:
         self._on_done = on_done  # wakes the stepping thread to collect a finished load
         self._ready: OrderedDict[str, ReadyAdapter] = OrderedDict()
         self._pinned: set[str] = set()
+        self._held: Counter[str] = Counter()  # name -> waiting requests that use it
         self._loading: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-load")
         self.hits = self.misses = self.evictions = 0
+        self.request_hits = self.request_misses = 0
+
+    def hold(self, name: str) -> None:
+        """A request that uses `name` arrived: its adapter is kept in preference to others until
+        release (the request is admitted or ends), and its load starts now if there is room: a
+        prefetch ahead of admission."""
+        self._held[name] += 1
+        if name in self._ready:
+            self.request_hits += 1
+        else:
+            self.request_misses += 1
+            self._load_if_room(name)
+
+    def release(self, name: str) -> None:
+        """A request that held `name` was admitted (its adapter is on the device) or ended."""
+        self._held[name] -= 1
+        if self._held[name] <= 0:
+            del self._held[name]
 
     def get(self, name: str) -> ReadyAdapter | None:
-        """The ready adapter (now most recently used), or None after starting its load."""
+        """The ready adapter (now most recently used), or None after starting its load if there
+        is room for it (otherwise it starts at a later get, once held adapters make room)."""
         ready = self._ready.get(name)
         if ready is not None:
             self._ready.move_to_end(name)
             self.hits += 1
             return ready
-        if name not in self._loading:
-            self.misses += 1
-            self._start_load(name)
+        self._load_if_room(name)
         return None
+
+    def peek(self, name: str) -> ReadyAdapter | None:
+        """The ready adapter if there is one; counts nothing and starts no load."""
+        return self._ready.get(name)
 
     def prepare(self, ready: ReadyAdapter) -> ReadyAdapter:
         """The adapter as the tier keeps it: page-locked when the device is a GPU, so activating
@@ -135,13 +165,25 @@ class HostTier:
         return ready + [(n, None, n in self._pinned) for n in self._loading if n not in self._ready]
 
     def stats(self) -> HostTierStats:
-        return HostTierStats(self.hits, self.misses, self.evictions, len(self._ready))
+        return HostTierStats(
+            self.hits, self.misses, self.evictions, len(self._ready), self.request_hits, self.request_misses
+        )
 
     def __len__(self) -> int:
         return len(self._ready)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _load_if_room(self, name: str) -> None:
+        """Start loading `name` unless it is loading, or the held adapters ready and the loads in
+        flight already fill the tier (pinned adapters come on top of it and never count)."""
+        if name in self._loading:
+            return
+        held_ready = sum(1 for n in self._ready if n in self._held and n not in self._pinned)
+        if name in self._pinned or held_ready + len(self._loading) < max(self.capacity, 1):
+            self.misses += 1
+            self._start_load(name)
 
     def _start_load(self, name: str) -> None:
         self._loading[name] = self._pool.submit(self._load, name)
@@ -154,8 +196,10 @@ class HostTier:
 
     def _evict(self) -> None:
         # Evicting only drops the host copy: requests already holding a device slot keep it,
-        # and waiting requests for the name simply load it again.
+        # and waiting requests for the name simply load it again. Adapters no request holds go
+        # first, least recently used first.
         unpinned = [n for n in self._ready if n not in self._pinned]
+        unpinned.sort(key=lambda n: n in self._held)  # stable: LRU order within each group
         for name in unpinned[: max(0, len(unpinned) - self.capacity)]:
             del self._ready[name]
             self.evictions += 1

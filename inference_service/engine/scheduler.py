@@ -57,8 +57,11 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}  # every sequence added and not finished
 
     def add(self, seq: Sequence) -> None:
+        """Queue the sequence; its adapter starts loading now if the host tier has room."""
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
+        if seq.adapter:
+            self.host.hold(seq.adapter)
 
     def get(self, request_id: str) -> Sequence | None:
         """The unfinished sequence of that request, waiting or running; None if there is none."""
@@ -132,11 +135,17 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.block_table = self.allocator.allocate(self._blocks_for(seq))
         if ready is not None:
-            seq.slot, activate = self.slots.acquire(ready.digest)
+            self.host.release(seq.adapter)
+            seq.slot, activate = self.slots.acquire(ready.digest, self._waiting_digests())
             if activate:
                 activations.append((seq.slot, ready))
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def _waiting_digests(self) -> frozenset[str]:
+        """The adapters waiting requests use that are ready in host memory."""
+        ready = (self.host.peek(seq.adapter) for seq in self.waiting if seq.adapter)
+        return frozenset(r.digest for r in ready if r is not None)
 
     def stats(self) -> SchedulerStats:
         total = self.allocator.num_blocks
@@ -161,6 +170,8 @@ class Scheduler:
                 self.slots.release(seq.slot)
         else:
             self.waiting.remove(seq)
+            if seq.adapter:
+                self.host.release(seq.adapter)
         del self._by_id[seq.request_id]
         seq.block_table, seq.slot = [], -1
         seq.status, seq.finish_reason = Status.FINISHED, reason

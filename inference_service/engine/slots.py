@@ -30,12 +30,14 @@ class SlotPool:
     def can_acquire(self, digest: str, avoid: int | None = None) -> bool:
         return self.resident(digest) is not None or any(s != avoid for s in self._idle)
 
-    def acquire(self, digest: str) -> tuple[int, bool]:
-        """A reference to a slot for `digest`: (slot, True when its weights must be copied in)."""
+    def acquire(self, digest: str, keep: frozenset[str] = frozenset()) -> tuple[int, bool]:
+        """A reference to a slot for `digest`: (slot, True when its weights must be copied in).
+        A new adapter takes the least recently used idle slot, preferring one whose adapter is
+        not in `keep` (the digests waiting requests use)."""
         slot = self.resident(digest)
         activate = slot is None
         if activate:
-            slot = next(iter(self._idle))  # least recently used idle slot
+            slot = next((s for s in self._idle if self._digest_of[s] not in keep), next(iter(self._idle)))
             self.evictions += self._digest_of[slot] is not None
             self.activations += 1
             self._digest_of[slot] = digest

@@ -165,4 +165,6 @@ def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
         adapter_load_seconds=pb.Histogram(
             bounds=load.buckets, counts=load.counts, sum=load.total, count=load.count
         ),
+        host_request_hits=host.request_hits,
+        host_request_misses=host.request_misses,
     )

@@ -333,8 +333,11 @@ def test_stats_count_requests_tokens_tiers_and_loads(tiny_models, tiny_adapters)
     assert stats.requests == {("all8", "length"): 1, ("qv4", "length"): 1, ("", "length"): 1}
     assert (stats.prompt_tokens, stats.generation_tokens) == (5, 9)
     assert stats.host_tier.misses == 2 and stats.adapter_load_seconds.count == 2
+    assert (stats.host_tier.request_hits, stats.host_tier.request_misses) == (0, 2)
     assert (stats.slots.activations, stats.slots.evictions, stats.slots.active) == (2, 1, 0)
     assert (stats.scheduler.waiting, stats.scheduler.running) == (0, 0)
+    engine.generate([Request([3, 4], "qv4", params)])  # still in the host tier
+    assert (engine.stats().host_tier.request_hits, engine.stats().host_tier.request_misses) == (1, 2)
 
 
 def test_pinned_adapter_stays_in_the_host_tier_under_pressure(tiny_models, tiny_adapters):

@@ -12,6 +12,7 @@ Engine._step_locked, _emit and _finish do.
 """
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -38,10 +39,22 @@ class FakeHost:
         self._ready = {name: ReadyAdapter(name, f"digest-{name}", NO_WEIGHTS) for name in ready}
         self._loading: dict[str, int | None] = {}
         self.load_steps = load_steps
+        self.held: Counter[str] = Counter()  # name -> waiting requests that use it
+
+    def hold(self, name: str) -> None:
+        self.held[name] += 1
+        self.get(name)
+
+    def release(self, name: str) -> None:
+        self.held[name] -= 1
+        assert self.held[name] >= 0, f"{name} released more often than held"
 
     def get(self, name: str) -> ReadyAdapter | None:
         if name not in self._ready:
             self._loading.setdefault(name, self.load_steps)
+        return self._ready.get(name)
+
+    def peek(self, name: str) -> ReadyAdapter | None:
         return self._ready.get(name)
 
     def collect(self) -> None:
@@ -359,6 +372,8 @@ def _check_state(rig: Rig) -> None:
     assert len(set(held)) == len(held)
     assert rig.blocks.num_free + len(held) == rig.blocks.num_blocks
     assert all(not s.block_table and s.slot == -1 for s in rig.scheduler.waiting)
+    waiting_names = Counter(s.adapter for s in rig.scheduler.waiting if s.adapter)
+    assert +rig.host.held == waiting_names  # the host tier keeps what waiting requests name
 
 
 def _check_schedule(rig: Rig, schedule: Schedule, resident_before: set[str]) -> None:
@@ -394,3 +409,19 @@ def test_workload_keeps_every_invariant_after_every_step(popularity):
     assert rig.slots.activations >= len(adapters)  # each copied in once, more if evicted between uses
     if popularity in ("distinct", "identical"):  # nothing to evict between uses: one copy each
         assert rig.slots.activations == len(adapters)
+
+
+def test_a_new_adapter_takes_the_idle_slot_no_waiting_request_uses():
+    rig = _rig(max_num_seqs=1, max_loras=2, ready=("a", "b", "c"))
+    for rid, adapter in (("b1", "b"), ("a1", "a")):
+        rig.add(rid, 2, 1, adapter)
+        rig.drain()  # b, then a, each ran and left its slot idle; b's is the least recently used
+    rig.add("b2", 2, 1, "b")  # waits behind c: max_num_seqs is 1
+    rig.add("c1", 2, 1, "c")
+    rig.scheduler.waiting.rotate(1)  # c1 first
+
+    schedule = rig.schedule()
+
+    assert [ready.name for _, ready in schedule.activations] == ["c"]
+    assert rig.slots.resident("digest-b") is not None  # kept for b2 although its slot was older...
+    assert rig.slots.resident("digest-a") is None  # ...because nobody waits for a

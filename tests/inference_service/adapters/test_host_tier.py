@@ -1,0 +1,93 @@
+"""HostTier with a real thread pool: per-request hit counts, loads bounded by what waiting requests
+hold, and eviction that keeps the adapters waiting requests name."""
+
+import threading
+import time
+
+from inference_service.adapters.host_tier import HostTier, ReadyAdapter
+from shared.peft_checkpoint import AdapterWeights
+
+NO_WEIGHTS = AdapterWeights(rank=8, alpha=16.0, target_modules=(), modules={})
+
+
+class GatedLoader:
+    """Loads any name once its gate opens; records the order loads started in."""
+
+    def __init__(self):
+        self.started: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def load(self, name: str) -> ReadyAdapter:
+        self.started.append(name)
+        self.gate.wait(10)
+        return ReadyAdapter(name, f"digest-{name}", NO_WEIGHTS)
+
+    def __contains__(self, name: str) -> bool:
+        return True
+
+    def unregister(self, name: str) -> None:
+        pass
+
+
+def _settle(tier: HostTier) -> None:
+    """Wait until no load is in flight and install what landed."""
+    deadline = time.monotonic() + 10
+    while tier.loading and time.monotonic() < deadline:
+        tier.collect()
+        time.sleep(0.005)
+    assert not tier.loading
+
+
+def _load(tier: HostTier, *names: str) -> None:
+    for name in names:
+        tier.get(name)
+        _settle(tier)
+
+
+def test_each_request_counts_one_hit_or_miss_however_often_it_is_checked():
+    tier = HostTier(4, GatedLoader(), pin_memory=False)
+    tier.hold("a")  # arrives cold: a miss, and its load starts at once
+    _settle(tier)
+    tier.hold("a")  # arrives warm
+    for _ in range(5):
+        tier.get("a")  # a request waiting for a slot is checked at every step
+
+    stats = tier.stats()
+    assert (stats.request_hits, stats.request_misses) == (1, 1)
+    assert (stats.hits, stats.misses) == (5, 1)
+    tier.close()
+
+
+def test_eviction_keeps_an_adapter_a_waiting_request_names_over_more_recent_ones():
+    tier = HostTier(2, GatedLoader(), pin_memory=False)
+    _load(tier, "b", "a")  # b is the least recently used
+    tier.hold("b")
+
+    _load(tier, "c")
+
+    assert {name for name, _, _ in tier.held()} == {"b", "c"}
+    tier.release("b")
+    _load(tier, "d")  # nobody waits for b any more: plain LRU again
+    assert {name for name, _, _ in tier.held()} == {"c", "d"}
+    tier.close()
+
+
+def test_a_queue_naming_more_adapters_than_the_tier_holds_loads_them_as_room_appears():
+    loader = GatedLoader()
+    tier = HostTier(2, loader, pin_memory=False)
+    loader.gate.clear()
+    for name in ("x", "y", "z"):
+        tier.hold(name)
+
+    assert sorted(loader.started) == ["x", "y"]  # z would have to evict an adapter a request waits for
+    assert tier.get("z") is None and tier.loading == 2
+    loader.gate.set()
+    _settle(tier)
+    tier.release("x")  # x's request was admitted: its adapter is on the device now
+    assert tier.get("z") is None  # starts z's load
+    _settle(tier)
+
+    assert sorted(loader.started) == ["x", "y", "z"]
+    assert tier.peek("y") is not None and tier.peek("z") is not None  # y still waits: kept
+    tier.close()
