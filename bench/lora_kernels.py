@@ -46,7 +46,7 @@ def time_kernels(batch: int, adapters: int, rank: int, hidden: int, dtype: torch
     slots = [i % adapters for i in range(batch)]
     lora = LoraBatch.build(slots, "cuda", slot_ranks=[rank] * adapters)
     x = torch.randn(batch, hidden, device="cuda", dtype=dtype)
-    a = torch.randn(adapters, 1, rank, hidden, device="cuda", dtype=dtype)
+    a = torch.randn(adapters, rank, 1, hidden, device="cuda", dtype=dtype)
     b = (torch.randn(adapters, rank, hidden, device="cuda", dtype=dtype),)
     y = torch.randn(batch, hidden, device="cuda", dtype=dtype)
     index = lora.token_slots
@@ -55,7 +55,7 @@ def time_kernels(batch: int, adapters: int, rank: int, hidden: int, dtype: torch
         lora_expand_triton(y, lora_shrink_triton(x, a, lora), b, lora)
 
     def gather_bmm():  # [batch, 1, hidden] @ [batch, hidden, rank] @ [batch, rank, hidden]
-        buf = torch.bmm(x[:, None, :], a[index, 0].transpose(1, 2))  # [batch, 1, rank]
+        buf = torch.bmm(x[:, None, :], a[index, :, 0].transpose(1, 2))  # [batch, 1, rank]
         y.add_(torch.bmm(buf, b[0][index])[:, 0])
 
     used = min(adapters, batch)

@@ -1,8 +1,9 @@
 """What padding a rank-8 adapter up to max_lora_rank costs: decode step time on the default
 model, 32 sequences over 8 distinct rank-8 all-linear adapters, with max_lora_rank 8, 16, 64,
-beside the same batch without adapters. All variants are timed interleaved in one run.
+beside the same batch without adapters. The variants are stepped in turn, one decode step each,
+the order rotating: rounds of many steps drift by 10% between variants on 2 cores.
 
-    .venv/bin/python -m bench.rank_padding [--steps 20] [--repeats 5]
+    .venv/bin/python -m bench.rank_padding [--steps 60]
 """
 
 import argparse
@@ -19,28 +20,43 @@ from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
+from shared.model_config import ModelConfig
 from shared.peft_checkpoint import load_peft_adapter
 
 SEQUENCES, ADAPTERS, ADAPTER_RANK, CONTEXT = 32, 8, 8, 64
+MAX_RANKS = (8, 16, 64)
+BASE = "base (no adapters)"
+WARMUP_STEPS = 5  # per case, dropped
 
 
-def decode_seconds(runner: ModelRunner, slots: list[int], steps: int) -> float:
-    """Seconds per decode step of SEQUENCES sequences after a CONTEXT-token prefill."""
-    allocator = BlockAllocator(runner.num_blocks)
-    tables = [allocator.allocate(-(-(CONTEXT + steps) // runner.config.block_size)) for _ in slots]
-    runner.forward([SequenceInput([7] * CONTEXT, 0, t, s) for t, s in zip(tables, slots, strict=True)])
-    start = time.perf_counter()
-    for step in range(steps):
-        runner.forward(
-            [SequenceInput([11], CONTEXT + step, t, s) for t, s in zip(tables, slots, strict=True)]
-        )
-    return (time.perf_counter() - start) / steps
+class DecodeCase:
+    """SEQUENCES sequences on one runner, prefilled with CONTEXT tokens; step() times one decode
+    step of all of them."""
+
+    def __init__(self, runner: ModelRunner, allocator: BlockAllocator, slots: list[int], steps: int):
+        self.runner, self.slots, self.position = runner, slots, CONTEXT
+        blocks = -(-(CONTEXT + steps) // runner.config.block_size)
+        self.tables = [allocator.allocate(blocks) for _ in slots]
+        prefill = [SequenceInput([7] * CONTEXT, 0, t, s) for t, s in zip(self.tables, slots, strict=True)]
+        runner.forward(prefill)
+
+    def step(self) -> float:
+        pairs = zip(self.tables, self.slots, strict=True)
+        inputs = [SequenceInput([11], self.position, t, s) for t, s in pairs]
+        start = time.perf_counter()
+        self.runner.forward(inputs)
+        self.position += 1
+        return time.perf_counter() - start
 
 
-def build_runner(model_dir: Path, max_rank: int, adapter_dirs: list[Path]) -> ModelRunner:
+def build_runner(model_dir: Path, max_rank: int, adapter_dirs: list[Path], steps: int) -> ModelRunner:
+    """A runner whose KV cache holds two cases of `steps` decode steps (base and adapters)."""
     runner = ModelRunner(
         EngineConfig(
-            model=str(model_dir), max_loras=ADAPTERS, max_lora_rank=max_rank, kv_cache_tokens=SEQUENCES * 256
+            model=str(model_dir),
+            max_loras=ADAPTERS,
+            max_lora_rank=max_rank,
+            kv_cache_tokens=2 * SEQUENCES * (CONTEXT + steps + 16),
         )
     )
     for slot, folder in enumerate(adapter_dirs):
@@ -54,40 +70,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     model_dir = default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        runner = build_runner(model_dir, 8, [])
+        config = ModelConfig.from_dir(model_dir)
         adapter_dirs = [
-            write_random_adapter(runner.model_config, Path(tmp) / f"a{i}", ADAPTER_RANK, seed=i)
-            for i in range(ADAPTERS)
+            write_random_adapter(config, Path(tmp) / f"a{i}", ADAPTER_RANK, seed=i) for i in range(ADAPTERS)
         ]
-        variants = {f"max_lora_rank={r}": (build_runner(model_dir, r, adapter_dirs), r) for r in (8, 16, 64)}
+        runners = {r: build_runner(model_dir, r, adapter_dirs, args.steps) for r in MAX_RANKS}
     mixed = sorted(i % ADAPTERS for i in range(SEQUENCES))  # grouped by slot, as the engine orders a batch
-    cases = {"base (no adapters)": (variants["max_lora_rank=8"][0], [-1] * SEQUENCES)}
-    cases.update({name: (runner, mixed) for name, (runner, _) in variants.items()})
-    times = {name: [] for name in cases}
+    allocators = {r: BlockAllocator(runner.num_blocks) for r, runner in runners.items()}
     with torch.inference_mode():
-        for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
-            for name, (runner, slots) in cases.items():
-                seconds = decode_seconds(runner, slots, args.steps)
-                if repeat:
-                    times[name].append(seconds)
-    report(times)
+        cases = {BASE: DecodeCase(runners[8], allocators[8], [-1] * SEQUENCES, args.steps)}
+        for r, runner in runners.items():
+            cases[f"max_lora_rank={r}"] = DecodeCase(runner, allocators[r], mixed, args.steps)
+        times = {name: [] for name in cases}
+        names = list(cases)
+        for step in range(args.steps):  # one step of each case in turn, the order rotating
+            for name in names[step % len(names) :] + names[: step % len(names)]:
+                times[name].append(cases[name].step())
+    report({name: samples[WARMUP_STEPS:] for name, samples in times.items()})
 
 
 def report(times: dict[str, list[float]]) -> None:
-    base = statistics.median(times["base (no adapters)"])
+    """Median ms per step; each variant against the base model and against max_lora_rank=8."""
+    median = {name: statistics.median(samples) for name, samples in times.items()}
     print(
         f"decode, {SEQUENCES} sequences, {ADAPTERS} distinct rank-{ADAPTER_RANK} all-linear adapters, "
+        f"medians of {len(times[BASE])} steps per case, cases stepped in turn; "
         f"torch threads {torch.get_num_threads()}"
     )
-    print(f"{'variant':<22} {'ms/step':>8} {'tok/s':>8} {'vs base':>8}")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"{name:<22} {median * 1e3:8.1f} {SEQUENCES / median:8.0f} {base / median:8.3f}")
+    print(f"{'variant':<22} {'ms/step':>8} {'tok/s':>8} {'vs base':>8} {'vs rank 8':>9}")
+    for name, seconds in median.items():
+        vs_rank8 = "" if name == BASE else f"{median['max_lora_rank=8'] / seconds:9.3f}"
+        rate, vs_base = SEQUENCES / seconds, median[BASE] / seconds
+        print(f"{name:<22} {seconds * 1e3:8.1f} {rate:8.0f} {vs_base:8.3f} {vs_rank8}")
 
 
 if __name__ == "__main__":

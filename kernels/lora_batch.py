@@ -38,18 +38,19 @@ class PaddedLayout:
     scatter: torch.Tensor  # [tokens] int64
 
     def from_tokens(self, buf: torch.Tensor) -> torch.Tensor:
-        """[tokens, slices, rank] in token order -> [num_slots, slices*rank, rows] padded."""
+        """[tokens, slices, rank] in token order -> [num_slots, rank*slices, rows] padded (rank
+        major, as a slot's A holds its rows)."""
         tokens, slices, rank = buf.shape
-        padded = buf.reshape(tokens, slices * rank).index_select(0, self.gather)  # [n*rows, s*r]
-        return padded.view(self.num_slots, self.rows, slices * rank).transpose(1, 2)
+        padded = buf.transpose(1, 2).reshape(tokens, rank * slices).index_select(0, self.gather)
+        return padded.view(self.num_slots, self.rows, rank * slices).transpose(1, 2)  # [n, r*s, rows]
 
     def to_tokens(self, padded: torch.Tensor, slices: int) -> torch.Tensor:
-        """[num_slots, slices*rank, rows] padded -> [tokens, slices, rank], zero for slot -1."""
+        """[num_slots, rank*slices, rows] padded -> [tokens, slices, rank], zero for slot -1."""
         padded_rows = self.num_slots * self.rows
         out = padded.new_empty(padded_rows + 1, padded.shape[1])  # [n*rows + 1, s*r]
         out[padded_rows].zero_()  # the row slot -1 tokens read
         out[:padded_rows].view(self.num_slots, self.rows, -1).copy_(padded.transpose(1, 2))
-        return out.index_select(0, self.scatter).view(self.scatter.shape[0], slices, -1)
+        return out.index_select(0, self.scatter).view(self.scatter.shape[0], -1, slices).transpose(1, 2)
 
 
 @dataclass(frozen=True)

@@ -45,16 +45,17 @@ def _with_offsets(b: tuple[torch.Tensor, ...]) -> list[tuple[int, torch.Tensor]]
 def expand_padded(
     y: torch.Tensor, padded: torch.Tensor, b: tuple[torch.Tensor, ...], layout: PaddedLayout
 ) -> torch.Tensor:
-    """lora_expand from the padded layout: padded is [num_slots, slices*r, rows], r the layout's
-    largest rank (shrink_padded's output); B's ranks past r are never read."""
+    """lora_expand from the padded layout: padded is [num_slots, r*slices, rows] (rank major), r
+    the layout's largest rank (shrink_padded's output); B's ranks past r are never read."""
     rank = padded.shape[1] // len(b)
+    by_slice = padded.view(layout.num_slots, rank, len(b), layout.rows)  # [n, r, slices, rows]
     padded_rows = layout.num_slots * layout.rows
     slots = slice(layout.first_slot, layout.first_slot + layout.num_slots)
     delta = y.new_empty(padded_rows + 1, y.shape[1])  # [padded_rows + 1, out]
     delta[padded_rows].zero_()  # the row slot -1 tokens read
     delta_slots = delta[:padded_rows].view(layout.num_slots, layout.rows, -1)  # [n, rows, out]
     for s, (offset, b_s) in enumerate(_with_offsets(b)):
-        buf_s = padded[:, s * rank : (s + 1) * rank].transpose(1, 2)  # [n, rows, rank]
+        buf_s = by_slice[:, :, s].transpose(1, 2)  # [n, rows, r]
         if len(b) == 1:
             torch.bmm(buf_s, b_s[slots, :rank], out=delta_slots)
         else:  # bmm(out=) of a strided slice would fall back to one mm per slot

@@ -12,14 +12,14 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Ten
     """Semantics: out[i, s, :r] = A[slot_i, s, :r] @ x[i] for every token i with slot_i >= 0,
     where r = batch.rank(slot_i); every other entry is 0.
 
-    x: [tokens, in]; a: [max_loras, slices, rank, in]; returns [tokens, slices, rank]. The CPU
+    x: [tokens, in]; a: [max_loras, rank, slices, in]; returns [tokens, slices, rank]. The CPU
     paths (a GPU runs lora_shrink_triton): with batch.padded, one batched matmul over the
     slot-major padded rows (shrink_padded); otherwise one matmul per distinct slot over its
     contiguous run of tokens. Either way all slices of a slot go at once, and only its own
-    ranks are read.
+    ranks are read (a slot's first r ranks are one block of A: a view, no copy).
     """
     tokens = x.shape[0]
-    _, slices, rank, in_features = a.shape
+    _, rank, slices, in_features = a.shape
     if batch.padded is not None:
         trimmed = batch.padded.to_tokens(shrink_padded(x, a, batch.padded), slices)  # [tokens, slices, r]
         if trimmed.shape[2] == rank:
@@ -29,33 +29,24 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Ten
     grouped_out = x.new_zeros(tokens, slices, rank)  # [tokens, slices, rank]
     for seg in batch.segments:
         r = min(batch.rank(seg.slot), rank)
-        a_slot = _ranks(a[seg.slot], r).view(slices * r, in_features)  # [slices*r, in]
-        out_seg = grouped_out[seg.start : seg.end]  # [seg_tokens, slices, rank]
-        if r == rank:
-            torch.mm(grouped_x[seg.start : seg.end], a_slot.t(), out=out_seg.view(-1, slices * rank))
-        else:
-            out_seg[:, :, :r] = (grouped_x[seg.start : seg.end] @ a_slot.t()).view(-1, slices, r)
+        a_slot = a[seg.slot, :r].view(r * slices, in_features)  # [r*slices, in]
+        out_seg = grouped_x[seg.start : seg.end] @ a_slot.t()  # [seg_tokens, r*slices]
+        grouped_out[seg.start : seg.end, :, :r] = out_seg.view(-1, r, slices).transpose(1, 2)
     if batch.order is None:
         return grouped_out
     return torch.empty_like(grouped_out).index_copy_(0, batch.order, grouped_out)
 
 
 def shrink_padded(x: torch.Tensor, a: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
-    """lora_shrink in the padded layout: returns [num_slots, slices*r, rows], r = the layout's
-    largest rank (the slots' ranks past it are never read)."""
-    _, slices, rank, in_features = a.shape
+    """lora_shrink in the padded layout: returns [num_slots, r*slices, rows] (rank major), r =
+    the layout's largest rank (the slots' ranks past it are never read)."""
+    _, rank, slices, in_features = a.shape
     r = min(layout.rank, rank)
-    a_slots = a[layout.first_slot : layout.first_slot + layout.num_slots]  # [n, slices, rank, in]
-    a_slots = _ranks(a_slots, r).view(layout.num_slots, slices * r, in_features)  # [n, slices*r, in]
+    a_slots = a[layout.first_slot : layout.first_slot + layout.num_slots, :r]  # [n, r, slices, in]
+    a_slots = a_slots.view(layout.num_slots, r * slices, in_features)  # [n, r*slices, in], a view
     x_padded = x.index_select(0, layout.gather).view(layout.num_slots, layout.rows, in_features)
     # A @ x^T streams each slot's A row by row: faster than x @ A^T once A is out of cache
-    return torch.bmm(a_slots, x_padded.transpose(1, 2))  # [n, slices*r, rows]
-
-
-def _ranks(a: torch.Tensor, r: int) -> torch.Tensor:
-    """The first r ranks of A [..., slices, rank, in], contiguous: a view at full rank, else a
-    copy of just those rows (slices*r*in, against the slices*rank*in a padded matmul reads)."""
-    return a if r == a.shape[-2] else a[..., :r, :].contiguous()
+    return torch.bmm(a_slots, x_padded.transpose(1, 2))  # [n, r*slices, rows]
 
 
 BLOCK_K = 64
@@ -75,7 +66,7 @@ def lora_shrink_triton(
     slice, split); `splits` (default: enough programs to fill the GPU, at least MIN_SPLIT_K
     features each) is how many ranges the input features are cut into.
     """
-    _, slices, rank, in_features = a.shape
+    _, rank, slices, in_features = a.shape
     table = batch.table
     splits, k_per_split = _split_k(in_features, (table.num_tiles if table else 0) * slices, splits)
     partials = x.new_empty(splits, x.shape[0], slices, rank, dtype=torch.float32)
@@ -85,7 +76,7 @@ def lora_shrink_triton(
     _shrink_kernel[(table.num_tiles, slices, splits)](
         x, a, partials, table.tokens, table.slots, table.starts, table.lengths, table.ranks,
         table.tile_segments, table.tile_rows,
-        in_features, x.stride(0), a.stride(0), a.stride(1), rank, x.shape[0], k_per_split,
+        in_features, x.stride(0), a.stride(0), a.stride(1), a.stride(2), rank, x.shape[0], k_per_split,
         BLOCK_M=TILE_ROWS, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=BLOCK_K,
         DOT_FP32=dot_in_fp32(),
     )  # fmt: skip
@@ -105,7 +96,7 @@ def _split_k(in_features: int, programs: int, splits: int | None) -> tuple[int, 
 def _shrink_kernel(
     x_ptr, a_ptr, partials_ptr, tokens_ptr, slots_ptr, starts_ptr, lengths_ptr, ranks_ptr,
     tile_segments_ptr, tile_rows_ptr,
-    in_features, x_stride, a_stride_slot, a_stride_slice, max_rank, num_tokens, k_per_split,
+    in_features, x_stride, a_stride_slot, a_stride_rank, a_stride_slice, max_rank, num_tokens, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -120,7 +111,7 @@ def _shrink_kernel(
         r = tl.arange(0, BLOCK_R)
         # Ranks past the adapter's own are never read: padding costs no memory traffic.
         r_ok = r < tl.minimum(tl.load(ranks_ptr + segment), max_rank)
-        a_rows = a_ptr + slot * a_stride_slot + s * a_stride_slice + r * in_features
+        a_rows = a_ptr + slot * a_stride_slot + r * a_stride_rank + s * a_stride_slice
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         k_start = split * k_per_split
         for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
@@ -139,12 +130,12 @@ def lora_shrink_ref(
 ) -> torch.Tensor:
     """Plain per-token loop in fp64: the definition lora_shrink is checked against."""
     tokens = x.shape[0]
-    _, slices, rank, _ = a.shape
+    _, rank, slices, _ = a.shape
     out = torch.zeros(tokens, slices, rank, dtype=torch.float64)
     for i, slot in enumerate(token_slots.tolist()):
         if slot < 0:
             continue
         r = slot_ranks[slot] if slot_ranks else rank
         for s in range(slices):
-            out[i, s, :r] = a[slot, s, :r].double() @ x[i].double()  # [r]
+            out[i, s, :r] = a[slot, :r, s].double() @ x[i].double()  # [r]
     return out.to(x.dtype)

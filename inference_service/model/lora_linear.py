@@ -14,7 +14,10 @@ class LoRALinear(nn.Module):
 
     q/k/v (3 slices) and gate/up (2 slices) run as one base matmul; the LoRA buffers keep the
     slices apart because an adapter may target some of them only. Layout:
-    A:   [max_loras, slices, max_rank, in]   one shrink matmul per slot covers every slice;
+    A:   [max_loras, max_rank, slices, in]   one shrink matmul per slot covers every slice, and
+                                             a slot's first r ranks of every slice are one
+                                             contiguous block, so an adapter of rank r reads
+                                             only that, whatever max_rank is;
     B_s: [max_loras, max_rank, out_s]        one per slice, so uneven slices (q vs k/v under
                                              GQA) need no padding; transposed, so a decode
                                              step streams each slot's B row by row.
@@ -42,7 +45,7 @@ class LoRALinear(nn.Module):
             else None
         )
         self.slices = _slice_offsets(slice_sizes)  # (offset, size) of each slice in `out`
-        slots = (max_loras, len(slice_sizes), max_rank)
+        slots = (max_loras, max_rank, len(slice_sizes))
         self.register_buffer("lora_a", torch.zeros(*slots, in_features, dtype=dtype, device=device))
         for s, size in enumerate(slice_sizes):
             b = torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device)
@@ -59,7 +62,7 @@ class LoRALinear(nn.Module):
         if not lora.segments:
             return y
         if lora.padded is not None:  # decode steps on the CPU: stay in the padded layout in between
-            padded = shrink_padded(x, self.lora_a, lora.padded)  # [slots, slices*rank, rows]
+            padded = shrink_padded(x, self.lora_a, lora.padded)  # [slots, rank*slices, rows]
             return expand_padded(y, padded, self.lora_b, lora.padded)
         buf = lora_shrink(x, self.lora_a, lora)  # [tokens, slices, rank]
         return lora_expand(y, buf, self.lora_b, lora)
@@ -67,7 +70,7 @@ class LoRALinear(nn.Module):
     def slice_views(self, slot: int, slice_index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where one adapter's A [rank, in] and scaled B^T [rank, slice_out] for one slice go;
         ranks from `rank` to max_rank stay zero."""
-        return self.lora_a[slot, slice_index, :rank], self.lora_b[slice_index][slot, :rank]
+        return self.lora_a[slot, :rank, slice_index], self.lora_b[slice_index][slot, :rank]
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         """Every buffer region of one slot, A and each slice's B."""

@@ -18,13 +18,13 @@ SIZES = (40, 16, 16)
 def _weights(in_features: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Slots as ModelRunner leaves them: ranks past a slot's own are zero; ranks past every
     slot's (8..15) are NaN here, so reading one would show in the result."""
-    a = torch.randn(len(SLOT_RANKS), len(SIZES), MAX_RANK, in_features)
+    a = torch.randn(len(SLOT_RANKS), MAX_RANK, len(SIZES), in_features)
     b = tuple(torch.randn(len(SLOT_RANKS), MAX_RANK, n) for n in SIZES)
     for slot, rank in enumerate(SLOT_RANKS):
-        a[slot, :, rank:] = 0
+        a[slot, rank:] = 0
         for b_s in b:
             b_s[slot, rank:] = 0
-    a[:, :, max(SLOT_RANKS) :] = math.nan
+    a[:, max(SLOT_RANKS) :] = math.nan
     for b_s in b:
         b_s[:, max(SLOT_RANKS) :] = math.nan
     return a, b

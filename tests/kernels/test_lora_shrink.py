@@ -22,7 +22,7 @@ def test_shrink_matches_reference(spread, rank, slices, base_every, grouped, pad
     tokens, max_loras, in_features = 37, 4, 72
     slots = token_slots(spread, tokens, max_loras, base_every, grouped, seed=rank * 7 + slices)
     x = torch.randn(tokens, in_features, dtype=dtype)
-    a = torch.randn(max_loras, slices, rank, in_features, dtype=dtype)
+    a = torch.randn(max_loras, rank, slices, in_features, dtype=dtype)
     batch = LoraBatch.build(slots, max_pad_factor=math.inf if padded else 0)
     assert (batch.padded is not None) == padded
 
@@ -39,7 +39,7 @@ def test_shrink_matches_reference(spread, rank, slices, base_every, grouped, pad
 
 def test_shrink_of_all_base_batch_is_zero():
     x = torch.randn(5, 16)
-    a = torch.randn(2, 1, 4, 16)
+    a = torch.randn(2, 4, 1, 16)
     batch = LoraBatch.build([-1] * 5)
     assert batch.padded is None and not batch.segments
     assert torch.count_nonzero(lora_shrink(x, a, batch)) == 0

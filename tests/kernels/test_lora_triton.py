@@ -24,10 +24,10 @@ def _case(spread, slices, base_every, ranks, dtype, tokens, in_features, sizes, 
     max_rank, ranks = RANKS[ranks]
     slots = token_slots(spread, tokens, MAX_LORAS, base_every, grouped=False, seed=slices)
     batch = LoraBatch.build(slots, device, slot_ranks=ranks, kernels=True)
-    a = torch.randn(MAX_LORAS, slices, max_rank, in_features, device=device, dtype=dtype)
+    a = torch.randn(MAX_LORAS, max_rank, slices, in_features, device=device, dtype=dtype)
     b = tuple(torch.randn(MAX_LORAS, max_rank, n, device=device, dtype=dtype) for n in sizes)
     for slot, rank in enumerate(ranks or []):  # slot buffers hold zeros past an adapter's rank
-        a[slot, :, rank:] = 0
+        a[slot, rank:] = 0
         for b_s in b:
             b_s[slot, rank:] = 0
     return batch, a, b
@@ -59,7 +59,7 @@ def test_shrink_triton_matches_reference(spread, slices, base_every, ranks, dtyp
     expected = lora_shrink_ref(x, a, batch.token_slots)[lora_rows]
     for splits in (1, 3):  # 136 features in 3 splits of 64, 64 and 8: the last one ragged
         partials = lora_shrink_triton(x, a, batch, splits)
-        assert partials.shape == (splits, 37, slices, a.shape[2]) and partials.dtype == torch.float32
+        assert partials.shape == (splits, 37, slices, a.shape[1]) and partials.dtype == torch.float32
         _close(partials.sum(0)[lora_rows], expected, dtype, 136)
 
 
@@ -84,7 +84,7 @@ def test_expand_triton_matches_reference(spread, slices, base_every, ranks, dtyp
 def test_a_batch_without_adapters_launches_nothing():
     batch = LoraBatch.build([-1] * 5, kernels=True)
     x, y = torch.randn(5, 16), torch.randn(5, 8)
-    assert lora_shrink_triton(x, torch.randn(2, 1, 4, 16), batch).shape == (1, 5, 1, 4)
+    assert lora_shrink_triton(x, torch.randn(2, 4, 1, 16), batch).shape == (1, 5, 1, 4)
     assert torch.equal(
         lora_expand_triton(y.clone(), torch.randn(1, 5, 1, 4), (torch.randn(2, 4, 8),), batch), y
     )
@@ -109,7 +109,7 @@ def test_triton_full_size_on_gpu(tokens, in_features, sizes, spread, dtype):
     _close(buf[lora_rows], expected[lora_rows], dtype, in_features)
     y = torch.randn(tokens, sum(sizes), device="cuda", dtype=dtype)
     expected = lora_expand_ref(y.cpu(), buf, tuple(t.cpu() for t in b), batch.token_slots.cpu())
-    _close(lora_expand_triton(y, partials, b, batch), expected, dtype, a.shape[2])
+    _close(lora_expand_triton(y, partials, b, batch), expected, dtype, a.shape[1])
 
 
 @pytest.mark.gpu
