@@ -6,12 +6,12 @@ CACHE ?= $(CURDIR)/.cache
 
 PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 
-.PHONY: run test lint protos bench clean
+.PHONY: run test lint protos bench clean nginx
 
 run: .venv/.runtime shared/pb/.built
 	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo.demo
 
-test: .venv/.test shared/pb/.built
+test: .venv/.test shared/pb/.built nginx
 	$(PY) -m ruff check .
 	LORAMUX_CACHE=$(CACHE) $(PY) -m pytest
 
@@ -22,6 +22,13 @@ bench: .venv/.bench shared/pb/.built
 lint: .venv/.test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# tests/e2e/test_nginx_affinity.py routes through Debian's nginx (deploy/nginx/loramux.conf);
+# installed with apt-get when missing (sudo unless root), found in /usr/sbin off a user's PATH too.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx; }
 
 .venv/.created:
 	python3 -m venv .venv

@@ -1,4 +1,6 @@
-"""BlobStore: optimized adapter blobs on disk, one file per digest at `root/sha256/<hex>`.
+"""Blobs: the interface to optimized adapter blobs, and BlobStore, which keeps them on disk,
+one file per digest at `root/sha256/<hex>`. BlobStore is the whole of it on a single node and
+the local cache of S3Blobs (s3_blobs.py) when stores share a catalog.
 
 A store process may be SIGKILLed at any moment, so a blob only ever appears under its final
 name whole and fsynced (temp file, fsync, rename, fsync of the directory); temp files left by a
@@ -11,16 +13,38 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from shared.adapter_blob import digest as blob_digest
 from shared.errors import NotFound
 
-# Strict, so a digest from a request can never name a path outside the blob directory.
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 _HEX_NAME = re.compile(r"[0-9a-f]{64}")
 # A leading dot and a non-hex word: a temp name can never be taken for a digest.
 _TEMP_PREFIX = ".tmp-"
+
+
+class Blobs(Protocol):
+    def put(self, blob: bytes) -> str:
+        """Keeps the blob under its digest, which it returns; a blob already there is left as is."""
+
+    def open(self, digest: str) -> BinaryIO:
+        """The blob as an open local file (a delete does not break it); NotFound when absent."""
+
+    def delete(self, digest: str) -> None:
+        """Drops this store's copy; gone already is fine."""
+
+    def digests(self) -> set[str]:
+        """The digests this store holds a copy of."""
+
+
+def digest_hex(digest: str) -> str:
+    """The 64 hex digits of a digest; NotFound for anything else. Strict, so a digest from a
+    request can never name a path outside the blob directory or an S3 key outside the prefix."""
+    match = _DIGEST.fullmatch(digest)
+    if match is None:
+        raise NotFound(f"blob {digest!r} not found: not a sha256:<64 lowercase hex> digest")
+    return match.group(1)
 
 
 class BlobStore:
@@ -63,10 +87,7 @@ class BlobStore:
             return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest() == digest
 
     def _path(self, digest: str) -> Path:
-        match = _DIGEST.fullmatch(digest)
-        if match is None:
-            raise NotFound(f"blob {digest!r} not found: not a sha256:<64 lowercase hex> digest")
-        return self._dir / match.group(1)
+        return self._dir / digest_hex(digest)
 
     def _write_atomically(self, path: Path, blob: bytes) -> None:
         fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self._dir)

@@ -1,40 +1,16 @@
-"""Catalog: the registered adapters, in SQLite.
+"""Catalog: the registered adapters, as records, and the interface both backends implement.
 
-WAL with synchronous=FULL: a committed registration survives a SIGKILL or power loss, and a
-killed transaction leaves nothing behind. One connection, shared by the event loop thread and
-worker threads, is serialized by a lock; writes take `BEGIN IMMEDIATE`, so a check-then-insert
-is one transaction even against another process on the same file.
+SqliteCatalog (sqlite_catalog.py) is the embedded single-node default; S3Catalog (s3_catalog.py)
+is shared by several stores. A catalog is the one source of its change events: it publishes what
+its own writes change and, when others write it too, what it learns of theirs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import sqlite3
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
-from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS adapters (
-    adapter_id TEXT PRIMARY KEY,
-    digest TEXT NOT NULL,
-    rank INTEGER NOT NULL,
-    alpha REAL NOT NULL,
-    target_modules TEXT NOT NULL,
-    size_bytes INTEGER NOT NULL,
-    dtype TEXT NOT NULL,
-    source_uri TEXT NOT NULL,
-    pinned INTEGER NOT NULL,
-    created_at REAL NOT NULL
-    )""",
-    # digest_in_use runs on every delete, to decide whether the blob can go too.
-    "CREATE INDEX IF NOT EXISTS adapters_digest ON adapters (digest)",
-)
+from shared.errors import AlreadyExists
 
 
 @dataclass(frozen=True)
@@ -51,114 +27,40 @@ class AdapterRecord:
     created_at: float  # unix seconds
 
 
-_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(AdapterRecord))
-_COLUMNS = ", ".join(_FIELD_NAMES)
-_SELECT = f"SELECT {_COLUMNS} FROM adapters"
-_INSERT = f"INSERT INTO adapters ({_COLUMNS}) VALUES ({', '.join('?' * len(_FIELD_NAMES))})"
-
-
-def _to_row(record: AdapterRecord) -> tuple:
-    """The columns in field order; SQLite has no tuple type, so the modules go as JSON text."""
-    row = {name: getattr(record, name) for name in _FIELD_NAMES}
-    row["target_modules"] = json.dumps(list(record.target_modules))
-    return tuple(row.values())
-
-
-def _from_row(row: tuple) -> AdapterRecord:
-    fields = dict(zip(_FIELD_NAMES, row, strict=True))
-    fields["target_modules"] = tuple(json.loads(fields["target_modules"]))
-    fields["pinned"] = bool(fields["pinned"])
-    return AdapterRecord(**fields)
-
-
-class Catalog:
-    def __init__(self, path: Path):
-        # Autocommit mode: transactions are begun explicitly, and only around writes.
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
-        self._lock = threading.Lock()
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        with self._transaction():
-            for statement in _SCHEMA:
-                self._conn.execute(statement)
+class Catalog(Protocol):
+    """Every method blocks; each write is atomic, also against other stores sharing the catalog."""
 
     def get(self, adapter_id: str) -> AdapterRecord | None:
-        with self._lock:
-            return self._get(adapter_id)
+        """The current record, None when the id is not registered."""
 
     def insert(self, record: AdapterRecord) -> tuple[AdapterRecord, bool]:
-        """(record, True) when new; (existing, False) when the id already names the same blob."""
-        with self._transaction():
-            existing = self._get(record.adapter_id)
-            if existing is None:
-                self._conn.execute(_INSERT, _to_row(record))
-                return record, True
-        if existing.digest != record.digest:
-            raise AlreadyExists(
-                f"adapter {record.adapter_id!r} already exists with digest {existing.digest}, "
-                f"not {record.digest}"
-            )
-        return existing, False
+        """(record, True) when new; (existing, False) when the id already names the same blob;
+        AlreadyExists when it names another."""
 
     def delete(self, adapter_id: str, force: bool) -> AdapterRecord:
-        with self._transaction():
-            record = self._require(adapter_id)
-            if record.pinned and not force:
-                raise FailedPrecondition(f"adapter {adapter_id!r} is pinned; pass force to delete it")
-            self._conn.execute("DELETE FROM adapters WHERE adapter_id = ?", (adapter_id,))
-            return record
+        """The deleted record; NotFound, or FailedPrecondition for a pinned one without force."""
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> AdapterRecord:
-        with self._transaction():
-            record = self._require(adapter_id)
-            self._conn.execute(
-                "UPDATE adapters SET pinned = ? WHERE adapter_id = ?", (int(pinned), adapter_id)
-            )
-            return dataclasses.replace(record, pinned=pinned)
+        """The record as it is now; NotFound when the id is not registered."""
 
     def list(self, page_size: int, after: str | None) -> list[AdapterRecord]:
         """One page in adapter_id order: ids strictly greater than `after` (None: from the start)."""
-        if page_size < 1:
-            raise InvalidArgument(f"page_size must be at least 1, got {page_size}")
-        with self._lock:
-            rows = self._conn.execute(
-                f"{_SELECT} WHERE ? IS NULL OR adapter_id > ? ORDER BY adapter_id LIMIT ?",
-                (after, after, page_size),
-            ).fetchall()
-        return [_from_row(row) for row in rows]
 
     def all(self) -> list[AdapterRecord]:
-        with self._lock:
-            rows = self._conn.execute(f"{_SELECT} ORDER BY adapter_id").fetchall()
-        return [_from_row(row) for row in rows]
+        """Every record, in adapter_id order."""
 
     def digest_in_use(self, digest: str) -> bool:
-        with self._lock:
-            row = self._conn.execute("SELECT 1 FROM adapters WHERE digest = ? LIMIT 1", (digest,)).fetchone()
-        return row is not None
+        """Whether a record names the blob, so the store knows when it may drop its copy."""
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        """Releases connections and stops background work."""
 
-    def _get(self, adapter_id: str) -> AdapterRecord | None:
-        row = self._conn.execute(f"{_SELECT} WHERE adapter_id = ?", (adapter_id,)).fetchone()
-        return None if row is None else _from_row(row)
 
-    def _require(self, adapter_id: str) -> AdapterRecord:
-        record = self._get(adapter_id)
-        if record is None:
-            raise NotFound(f"adapter {adapter_id!r} not found")
-        return record
-
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """Holds the lock for one write transaction; any exception rolls it back."""
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+def existing_or_conflict(existing: AdapterRecord, record: AdapterRecord) -> tuple[AdapterRecord, bool]:
+    """What inserting `record` under a taken id gives: the existing record when it names the same
+    blob (registering is idempotent), ALREADY_EXISTS when it names other content."""
+    if existing.digest != record.digest:
+        raise AlreadyExists(
+            f"adapter {record.adapter_id!r} already exists with digest {existing.digest}, not {record.digest}"
+        )
+    return existing, False

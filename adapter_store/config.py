@@ -7,6 +7,8 @@ import torch
 
 from shared.dtypes import DTYPES
 from shared.errors import InvalidArgument
+from shared.metrics_endpoint import metrics_address
+from shared.tls import ServerTls
 
 
 @dataclass(frozen=True)
@@ -17,11 +19,16 @@ class StoreConfig:
     s3_endpoint: str | None = None  # None: boto3's default (AWS, or AWS_ENDPOINT_URL)
     s3_allowed_buckets: tuple[str, ...] = ()  # s3:// sources must name one of these
     admin_token: str | None = None  # when set, admin RPCs need "authorization: Bearer <token>"
+    worker_token: str | None = None  # when set, FetchAdapter and WatchAdapters need it as a bearer token
+    tls: ServerTls | None = None  # None: plaintext; with a client CA, clients need its certificates
     base_model: Path | None = None  # HF model folder whose config.json adapters are checked against
     dtype: str = "float32"  # serving dtype of optimized blobs
     max_lora_rank: int = 64
     max_adapter_bytes: int = 1 << 30  # per source file
     s3_timeout_s: float = 30.0  # connect and read timeout of one S3 call
+    catalog: str | None = None  # s3://bucket/prefix shared with other stores; None: SQLite in data_dir
+    catalog_poll_s: float = 2.0  # how often other stores' changes are looked for: the watch lag
+    metrics_listen: str | None = None  # HOST:PORT serving Prometheus /metrics; None = not served
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -31,8 +38,15 @@ class StoreConfig:
                 raise InvalidArgument(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.s3_timeout_s <= 0:
             raise InvalidArgument(f"s3_timeout_s must be positive, got {self.s3_timeout_s}")
+        if self.catalog_poll_s <= 0:
+            raise InvalidArgument(f"catalog_poll_s must be positive, got {self.catalog_poll_s}")
+        bucket = (self.catalog or "").removeprefix("s3://").partition("/")[0]
+        if self.catalog is not None and not (self.catalog.startswith("s3://") and bucket):
+            raise InvalidArgument(f"catalog {self.catalog!r} is not s3://bucket/prefix")
         if self.base_model is not None and not (Path(self.base_model) / "config.json").is_file():
             raise InvalidArgument(f"base model folder {self.base_model} has no config.json")
+        if self.metrics_listen is not None:
+            metrics_address(self.metrics_listen)  # refuses anything but HOST:PORT, naming it
 
     @property
     def torch_dtype(self) -> torch.dtype:

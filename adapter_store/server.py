@@ -5,12 +5,20 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from adapter_store.config import StoreConfig
-from adapter_store.servicer import ADMIN_METHODS, SERVICE, AdapterStoreServicer
+from adapter_store.prometheus_metrics import StoreMetrics
+from adapter_store.servicer import ADMIN_METHODS, SERVICE, WORKER_METHODS, AdapterStoreServicer
 from adapter_store.store import Store
-from shared.errors import InvalidArgument
-from shared.grpc_server import ErrorInterceptor, TokenInterceptor, add_health_and_reflection, until_signal
+from shared.grpc_server import (
+    ErrorInterceptor,
+    TokenInterceptor,
+    add_health_and_reflection,
+    add_port,
+    until_signal,
+)
+from shared.metrics_endpoint import MetricsEndpoint
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -20,11 +28,9 @@ GRACE_S = 5.0
 
 async def serve(config: StoreConfig) -> None:
     store = Store(config)
-    interceptors = [ErrorInterceptor()]
-    if config.admin_token:
-        interceptors.insert(0, TokenInterceptor(config.admin_token, ADMIN_METHODS))
+    metrics = StoreMetrics(CollectorRegistry(), store, SERVICE)
     server = grpc.aio.server(
-        interceptors=interceptors,
+        interceptors=[metrics.interceptor(), *_interceptors(config)],  # counts refusals too
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -34,16 +40,28 @@ async def serve(config: StoreConfig) -> None:
         ],
     )
     with ThreadPoolExecutor(8, thread_name_prefix="store") as executor:
-        pb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreServicer(store, executor), server)
+        pb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreServicer(store, executor, metrics), server)
         health = await add_health_and_reflection(server, [SERVICE])
-        port = server.add_insecure_port(config.listen)
-        if port == 0:
-            raise InvalidArgument(f"cannot listen on {config.listen}")
+        port = add_port(server, config.listen, config.tls)
         await server.start()
         host = config.listen.rsplit(":", 1)[0]
         print(f"adapter store listening on {host}:{port}", flush=True)
+        endpoint = MetricsEndpoint(config.metrics_listen, metrics.registry) if config.metrics_listen else None
         await until_signal()
         log.info("stopping: new calls are refused, calls in flight get %.0f s", GRACE_S)
         await health.enter_graceful_shutdown()
         await server.stop(GRACE_S)
+        if endpoint is not None:
+            endpoint.close()  # before the catalog it reads closes
     store.close()
+
+
+def _interceptors(config: StoreConfig) -> list[grpc.aio.ServerInterceptor]:
+    """Token checks first, each on its own methods (admin RPCs; the workers' fetch and watch);
+    health and reflection stay open."""
+    interceptors = []
+    if config.admin_token:
+        interceptors.append(TokenInterceptor(config.admin_token, ADMIN_METHODS))
+    if config.worker_token:
+        interceptors.append(TokenInterceptor(config.worker_token, WORKER_METHODS))
+    return [*interceptors, ErrorInterceptor()]

@@ -6,6 +6,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from adapter_store import convert
+from adapter_store.prometheus_metrics import StoreMetrics
 from adapter_store.store import Store
 from shared.errors import InvalidArgument
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
@@ -18,12 +19,13 @@ ADMIN_METHODS = tuple(
     f"/{SERVICE}/{m}"
     for m in ("RegisterAdapter", "GetAdapter", "ListAdapters", "DeleteAdapter", "PinAdapter", "UnpinAdapter")
 )
+WORKER_METHODS = tuple(f"/{SERVICE}/{m}" for m in ("FetchAdapter", "WatchAdapters"))  # --worker-token
 
 
 class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
-    def __init__(self, store: Store, executor: ThreadPoolExecutor):
+    def __init__(self, store: Store, executor: ThreadPoolExecutor, metrics: StoreMetrics):
         self.store = store
-        self._executor = executor
+        self._executor, self._metrics = executor, metrics
 
     async def _run(self, fn, *args):
         """Blocking Store calls (disk, S3, validation) run off the event loop."""
@@ -67,6 +69,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
             yield convert.header(digest, size, request.offset, await self._run(self.store.blob_info, blob))
             blob.seek(request.offset)
             while chunk := await self._run(blob.read, CHUNK_BYTES):
+                self._metrics.sent(chunk)
                 yield pb.FetchAdapterResponse(chunk=chunk)
 
     async def WatchAdapters(self, request, context):

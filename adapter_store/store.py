@@ -9,11 +9,16 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from adapter_store.blobs import BlobStore
+from adapter_store.blobs import Blobs, BlobStore
 from adapter_store.catalog import AdapterRecord, Catalog
 from adapter_store.config import StoreConfig
-from adapter_store.events import CatalogEvent, EventHub, Subscription
+from adapter_store.events import EventHub, Subscription
+from adapter_store.s3_blobs import S3Blobs
+from adapter_store.s3_catalog import S3Catalog
+from adapter_store.s3_prefix import S3Prefix
+from adapter_store.s3_source import s3_client
 from adapter_store.sources import Sources
+from adapter_store.sqlite_catalog import SqliteCatalog
 from shared import adapter_blob
 from shared.errors import InvalidArgument, NotFound
 from shared.model_config import ModelConfig
@@ -27,9 +32,8 @@ class Store:
         self._incoming = config.data_dir / "incoming"
         shutil.rmtree(self._incoming, ignore_errors=True)  # left by a registration that was killed
         self._incoming.mkdir(parents=True)
-        self.blobs = BlobStore(config.data_dir / "blobs")
-        self.catalog = Catalog(config.data_dir / "catalog.sqlite")
         self.events = EventHub()
+        self.catalog, self.blobs = _backends(config, self.events)
         self._sources = Sources(config)
         self._model = ModelConfig.from_dir(config.base_model) if config.base_model else None
         # Blob writes and catalog rows change together under this lock, so a delete never
@@ -48,8 +52,8 @@ class Store:
             )
         blob = adapter_blob.encode(weights)
         with self._lock:
-            digest = self.blobs.put(blob)
-            record, created = self.catalog.insert(
+            digest = self.blobs.put(blob)  # before the record that names it
+            return self.catalog.insert(
                 AdapterRecord(
                     adapter_id=adapter_id,
                     digest=digest,
@@ -63,9 +67,6 @@ class Store:
                     created_at=time.time(),
                 )
             )
-        if created:
-            self.events.publish(CatalogEvent("registered", record))
-        return record, created
 
     def get(self, adapter_id: str) -> AdapterRecord:
         record = self.catalog.get(adapter_id)
@@ -81,24 +82,20 @@ class Store:
             record = self.catalog.delete(adapter_id, force)
             if not self.catalog.digest_in_use(record.digest):
                 self.blobs.delete(record.digest)  # streams already open keep their file
-        self.events.publish(CatalogEvent("deleted", record))
         return record
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> AdapterRecord:
-        before = self.get(adapter_id)
-        record = self.catalog.set_pinned(adapter_id, pinned)
-        if before.pinned != pinned:
-            self.events.publish(CatalogEvent("pinned" if pinned else "unpinned", record))
-        return record
+        return self.catalog.set_pinned(adapter_id, pinned)
 
     def open_blob(self, adapter_id: str, digest: str) -> tuple[BinaryIO, str]:
-        """An open blob file and its digest, by adapter id or else by digest."""
+        """An open blob file and its digest, by adapter id or else by digest. Not under the lock:
+        an open file outlives a delete, and a blob fetched from a shared catalog's bucket must
+        not hold up registrations meanwhile."""
         if adapter_id:
             digest = self.get(adapter_id).digest
         elif not digest:
             raise InvalidArgument("FetchAdapter needs an adapter_id or a digest")
-        with self._lock:
-            return self.blobs.open(digest), digest
+        return self.blobs.open(digest), digest
 
     def blob_info(self, f: BinaryIO) -> adapter_blob.BlobInfo:
         info = adapter_blob.read_info(f)
@@ -121,3 +118,13 @@ class Store:
         referenced = {record.digest for record in self.catalog.all()}
         for digest in self.blobs.digests() - referenced:
             self.blobs.delete(digest)
+
+
+def _backends(config: StoreConfig, events: EventHub) -> tuple[Catalog, Blobs]:
+    """SQLite and blobs in the data dir by default; with `config.catalog`, the catalog and blobs
+    other stores share in S3, blobs cached in the data dir."""
+    local = BlobStore(config.data_dir / "blobs")
+    if config.catalog is None:
+        return SqliteCatalog(config.data_dir / "catalog.sqlite", events), local
+    bucket = S3Prefix(config.catalog, s3_client(config))
+    return S3Catalog(bucket, events, config.catalog_poll_s), S3Blobs(bucket, local)

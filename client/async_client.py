@@ -5,7 +5,7 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from . import convert
-from .connection import DEFAULT_STORE, DEFAULT_WORKER, Connection
+from .connection import DEFAULT_STORE, DEFAULT_WORKER, Connection, channel_opener
 from .errors import rpc_errors
 from .stream import AsyncStream
 from .types import Adapter, Completion, ModelInfo, WorkerAdapter
@@ -14,7 +14,7 @@ from .types import Adapter, Completion, ModelInfo, WorkerAdapter
 class AsyncClient:
     """Client's API for asyncio: every method is a coroutine except generate(), which returns an
     AsyncStream to `async for` over. Talks to one worker and one store; each channel opens on first
-    use (inside the running event loop).
+    use (inside the running event loop); `tls_ca`, `tls_cert` and `tls_key` as for Client.
 
     `timeout` (seconds) is the gRPC deadline of every call unless a call passes its own; None means
     no deadline. Every failed call raises a `loramux.LoramuxError` subclass named for its status.
@@ -27,10 +27,12 @@ class AsyncClient:
         api_token: str | None = None,
         admin_token: str | None = None,
         timeout: float | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ):
-        self._connection = Connection(
-            worker, store, api_token, admin_token, timeout, grpc.aio.insecure_channel
-        )
+        channels = channel_opener(grpc.aio, tls_ca, tls_cert, tls_key)
+        self._connection = Connection(worker, store, api_token, admin_token, timeout, channels)
 
     def generate(
         self,
@@ -47,7 +49,7 @@ class AsyncClient:
         (None = the base model). `sampling` takes SamplingParams' fields: max_tokens, temperature,
         top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs."""
         request = convert.generate_request(prompt, token_ids, messages, adapter, request_id, sampling)
-        return AsyncStream(self._connection.invoke("worker", "Generate", request, timeout))
+        return AsyncStream(self._connection.invoke("worker", "Generate", request, timeout, adapter))
 
     async def complete(self, prompt: str | None = None, **kwargs) -> Completion:
         """generate() with the same arguments, run to its end: the whole Completion."""

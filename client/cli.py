@@ -1,6 +1,7 @@
 """The `loramux` command: adapter admin on the store, streaming generation on a worker.
 
     loramux [--worker HOST:PORT] [--store HOST:PORT] [--api-token T] [--admin-token T] [--timeout S]
+            [--tls-ca PEM [--tls-cert PEM --tls-key PEM]]
             adapters {register,list,get,delete,pin,unpin} ... | generate ... | model-info | worker-adapters
 
 Exit status: 0 on success, 1 when a call fails (the status and message go to stderr), 2 for usage
@@ -27,9 +28,23 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
-    args = build_parser(env).parse_args(argv)
+    parser = build_parser(env)
+    args = parser.parse_args(argv)
     try:
-        with Client(args.worker, args.store, args.api_token, args.admin_token, args.timeout) as client:
+        client = Client(
+            args.worker,
+            args.store,
+            args.api_token,
+            args.admin_token,
+            args.timeout,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+    except ValueError as e:  # a TLS file missing or unreadable: a usage error, exit status 2
+        parser.error(str(e))
+    try:
+        with client:
             args.command(client, args)
     except LoramuxError as e:
         print(f"loramux: {e.code.name}: {e.message}", file=sys.stderr)
@@ -62,6 +77,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="bearer token for the store's admin calls (default: $LORAMUX_ADMIN_TOKEN)",
     )
     p.add_argument("--timeout", type=_positive_float, help="deadline of each call in seconds (default: none)")
+    for flag, text in [
+        ("ca", "PEM CA that signed the servers' certificates: connect over TLS"),
+        ("cert", "PEM client certificate, for servers that want one (mTLS)"),
+        ("key", "PEM private key of --tls-cert"),
+    ]:
+        variable = f"LORAMUX_TLS_{flag.upper()}"
+        p.add_argument(f"--tls-{flag}", default=env.get(variable), help=f"{text} (default: ${variable})")
     commands = p.add_subparsers(title="commands", required=True, metavar="COMMAND")
     _add_adapter_commands(commands)
     _add_generate_command(commands)

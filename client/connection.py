@@ -1,18 +1,42 @@
-"""Where a client's calls go: one lazily opened channel per address, bearer tokens and deadlines.
+"""Where a client's calls go: one lazily opened channel per address (plaintext or TLS), bearer
+tokens and deadlines.
 
 The same class serves both clients; only the function that opens a channel differs
-(grpc.insecure_channel or grpc.aio.insecure_channel).
+(from grpc or grpc.aio, see channel_opener).
 """
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
+from shared.errors import InvalidArgument
+from shared.names import ADAPTER_ID
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as store_grpc
+from shared.tls import ChannelTls
 
 DEFAULT_WORKER = "127.0.0.1:50051"
 DEFAULT_STORE = "127.0.0.1:50061"
 STUBS = {"worker": inference_grpc.InferenceServiceStub, "store": store_grpc.AdapterStoreStub}
+TLS_NAMES = ("tls_ca", "tls_cert", "tls_key")  # how errors name the files: the clients' parameters
+# The metadata a router hashes to send an adapter's calls to one worker (deploy/nginx/loramux.conf).
+ADAPTER_KEY = "x-loramux-adapter"
+
+
+def channel_opener(
+    channels: ModuleType, tls_ca: str | None, tls_cert: str | None, tls_key: str | None
+) -> Callable[[str], Any]:
+    """`channels` (grpc or grpc.aio) opening plaintext channels, or with tls_ca TLS ones that trust
+    that CA and, given tls_cert and tls_key, present that client certificate (mTLS). The files are
+    read here: ValueError naming the file when one is missing, unreadable or not PEM."""
+    try:
+        tls = ChannelTls.from_files(tls_ca, tls_cert, tls_key, TLS_NAMES)
+    except InvalidArgument as e:
+        raise ValueError(str(e)) from None
+    if tls is None:
+        return channels.insecure_channel
+    credentials = tls.credentials()
+    return lambda address: channels.secure_channel(address, credentials)
 
 
 class Connection:
@@ -34,11 +58,13 @@ class Connection:
         self._channels: dict[str, Any] = {}  # address -> channel; worker and store may share one
         self._stubs: dict[str, Any] = {}
 
-    def invoke(self, service: str, method: str, request, timeout: float | None):
-        """Starts `method` on `service` with the token and deadline that apply; returns what the
-        stub returns (a reply, a response iterator, or an awaitable call)."""
+    def invoke(self, service: str, method: str, request, timeout: float | None, adapter: str | None = None):
+        """Starts `method` on `service` with the token and deadline that apply, and `adapter` as
+        ADAPTER_KEY metadata; returns what the stub returns (a reply, a response iterator, or an
+        awaitable call)."""
         stub_method = getattr(self._stub(service), method)
-        return stub_method(request, timeout=self._deadline(timeout), metadata=self._metadata(service))
+        metadata = self._metadata(service, adapter)
+        return stub_method(request, timeout=self._deadline(timeout), metadata=metadata)
 
     def take_channels(self) -> list:
         """The open channels, forgotten here so the caller can close them; later calls reopen."""
@@ -55,9 +81,14 @@ class Connection:
             self._stubs[service] = STUBS[service](self._channels[address])
         return self._stubs[service]
 
-    def _metadata(self, service: str) -> tuple[tuple[str, str], ...] | None:
+    def _metadata(self, service: str, adapter: str | None) -> tuple[tuple[str, str], ...] | None:
+        """The bearer token, and the adapter name unless it breaks the naming rule (the worker
+        then refuses it by name; as metadata gRPC would fail the call with a vaguer INTERNAL)."""
         token = self.tokens[service]
-        return (("authorization", f"Bearer {token}"),) if token else None
+        pairs = [("authorization", f"Bearer {token}")] if token else []
+        if adapter and ADAPTER_ID.fullmatch(adapter):
+            pairs.append((ADAPTER_KEY, adapter))
+        return tuple(pairs) or None
 
     def _deadline(self, timeout: float | None) -> float | None:
         """A per-call timeout wins over the client's."""

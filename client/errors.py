@@ -84,12 +84,22 @@ ERROR_CLASSES = {
 }
 
 
+# How gRPC words a stream the peer reset with HTTP/2 INTERNAL_ERROR instead of ending it with a
+# status: nginx resets the calls in flight on a worker that died (deploy/nginx/loramux.conf).
+STREAM_RESET = "Received RST_STREAM with error code 2"
+
+
 def from_rpc_error(error: grpc.RpcError) -> LoramuxError:
-    """The LoramuxError subclass for the status `error` carries (the base class for other codes)."""
+    """The LoramuxError subclass for the status `error` carries (the base class for other codes).
+    A reset stream is Unavailable, as a broken connection to the worker is: no server gave it a
+    status (gRPC says INTERNAL), and the call may succeed when retried."""
     # Sync errors are grpc.Call, grpc.aio.AioRpcError is not; both have code() and details().
     has_status = callable(getattr(error, "code", None))
     code = error.code() if has_status else grpc.StatusCode.UNKNOWN
     message = (error.details() if has_status else None) or str(error)
+    if code == grpc.StatusCode.INTERNAL and STREAM_RESET in message:
+        code = grpc.StatusCode.UNAVAILABLE
+        message = f"the call was reset in flight, its worker gone: {message}"
     return ERROR_CLASSES.get(code, LoramuxError)(message, code)
 
 

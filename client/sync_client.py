@@ -5,14 +5,16 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from . import convert
-from .connection import DEFAULT_STORE, DEFAULT_WORKER, Connection
+from .connection import DEFAULT_STORE, DEFAULT_WORKER, Connection, channel_opener
 from .errors import rpc_errors
 from .stream import Stream
 from .types import Adapter, Completion, ModelInfo, WorkerAdapter
 
 
 class Client:
-    """Talks to one worker and one store; each channel opens on first use.
+    """Talks to one worker and one store; each channel opens on first use, over TLS when `tls_ca`
+    (a PEM file: the CA that signed the servers' certificates) is given, presenting the client
+    certificate `tls_cert` with its key `tls_key` where a server asks for one (mTLS).
 
     `timeout` (seconds) is the gRPC deadline of every call unless a call passes its own; None means
     no deadline. Every failed call raises a `loramux.LoramuxError` subclass named for its status.
@@ -25,8 +27,12 @@ class Client:
         api_token: str | None = None,
         admin_token: str | None = None,
         timeout: float | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ):
-        self._connection = Connection(worker, store, api_token, admin_token, timeout, grpc.insecure_channel)
+        channels = channel_opener(grpc, tls_ca, tls_cert, tls_key)
+        self._connection = Connection(worker, store, api_token, admin_token, timeout, channels)
 
     def generate(
         self,
@@ -43,7 +49,7 @@ class Client:
         (None = the base model). `sampling` takes SamplingParams' fields: max_tokens, temperature,
         top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs."""
         request = convert.generate_request(prompt, token_ids, messages, adapter, request_id, sampling)
-        return Stream(self._connection.invoke("worker", "Generate", request, timeout))
+        return Stream(self._connection.invoke("worker", "Generate", request, timeout, adapter))
 
     def complete(self, prompt: str | None = None, **kwargs) -> Completion:
         """generate() with the same arguments, run to its end: the whole Completion."""

@@ -1,5 +1,5 @@
 """What both gRPC services share: domain errors mapped to status codes in one place, bearer-token
-checks, and the standard health and reflection services."""
+checks, the listening port (plaintext or TLS), and the standard health and reflection services."""
 
 import asyncio
 import hmac
@@ -14,6 +14,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from shared import errors
+from shared.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,17 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
         await context.abort(code, message)
 
     return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def add_port(server: grpc.aio.Server, listen: str, tls: ServerTls | None) -> int:
+    """Listen on `listen` (HOST:PORT), over TLS when `tls` is given; returns the port bound."""
+    if tls is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, tls.credentials())
+    if port == 0:
+        raise errors.InvalidArgument(f"cannot listen on {listen}")
+    return port
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> HealthServicer:

@@ -19,9 +19,13 @@ from inference_service.server.server import serve
 from inference_service.server.worker_config import DEFAULT_MAX_MESSAGE_BYTES, WorkerConfig
 from shared.dtypes import DTYPES
 from shared.errors import LoramuxError
+from shared.tls import ChannelTls, ServerTls
+
+STORE_TLS_FLAGS = ("--store-tls-ca", "--store-tls-cert", "--store-tls-key")
 
 
-def parse_config(argv: list[str]) -> WorkerConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's flags; deploy/k8s tests parse the manifests' command lines with it."""
     p = argparse.ArgumentParser(prog="python -m inference_service", description="A loramux inference worker.")
     p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0 picks a free one)")
     p.add_argument("--store", help="adapter store HOST:PORT (none: base model only)")
@@ -54,7 +58,23 @@ def parse_config(argv: list[str]) -> WorkerConfig:
     p.add_argument("--fetch-idle-timeout", type=float, default=10.0, help="seconds a fetch may go silent")
     p.add_argument("--fetch-timeout", type=float, default=120.0, help="seconds one adapter fetch may take")
     p.add_argument("--api-token", default=os.environ.get("LORAMUX_API_TOKEN"), help="token Generate needs")
-    args = p.parse_args(argv)
+    p.add_argument("--metrics-listen", help="HOST:PORT of Prometheus /metrics (port 0: any; default off)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain to serve TLS with (needs --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", type=Path, help="PEM CA: clients must present a certificate it signed")
+    p.add_argument("--store-tls-ca", type=Path, help="PEM CA that signed the store's certificate: TLS to it")
+    p.add_argument("--store-tls-cert", type=Path, help="PEM client certificate for the store (mTLS)")
+    p.add_argument("--store-tls-key", type=Path, help="PEM private key of --store-tls-cert")
+    p.add_argument(
+        "--store-token",
+        default=os.environ.get("LORAMUX_WORKER_TOKEN"),
+        help="bearer token for the store's FetchAdapter and WatchAdapters (default: $LORAMUX_WORKER_TOKEN)",
+    )
+    return p
+
+
+def parse_config(argv: list[str]) -> WorkerConfig:
+    args = build_parser().parse_args(argv)
     cache = Path(os.environ.get("LORAMUX_CACHE", ".cache"))
     model = args.model or str(prepare_default_model(cache))
     engine = EngineConfig(
@@ -75,9 +95,15 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         listen=args.listen,
         store=args.store,
         api_token=args.api_token,
+        tls=ServerTls.from_flags(args.tls_cert, args.tls_key, args.tls_client_ca),
+        store_tls=ChannelTls.from_files(
+            args.store_tls_ca, args.store_tls_cert, args.store_tls_key, STORE_TLS_FLAGS
+        ),
+        store_token=args.store_token,
         max_pending=args.max_pending,
         drain_timeout_s=args.drain_timeout,
         max_message_bytes=args.max_message_bytes,
+        metrics_listen=args.metrics_listen,
         fetch=FetchLimits(args.max_adapter_bytes, args.fetch_idle_timeout, args.fetch_timeout),
     )
 

@@ -10,37 +10,48 @@ import os
 
 import grpc
 from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
 
+from inference_service.adapters.store_channel import open_store_channel
 from inference_service.adapters.store_loader import StoreAdapterLoader
 from inference_service.engine import Engine
 from inference_service.server.admission import Admission
+from inference_service.server.prometheus_metrics import WorkerMetrics
 from inference_service.server.servicer import SERVICE, InferenceServicer
 from inference_service.server.store_watch import StoreWatch
 from inference_service.server.worker_config import WorkerConfig
-from shared.errors import InvalidArgument
-from shared.grpc_server import ErrorInterceptor, TokenInterceptor, add_health_and_reflection, until_signal
+from shared.grpc_server import (
+    ErrorInterceptor,
+    TokenInterceptor,
+    add_health_and_reflection,
+    add_port,
+    until_signal,
+)
+from shared.metrics_endpoint import MetricsEndpoint
 from shared.model_config import ModelConfig
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 FAILURE_GRACE_S = 0.5  # for streams to send the status that ends them once the engine died
-MAX_MESSAGE_BYTES = 16 << 20  # what the worker sends, and takes in from the store
+MAX_MESSAGE_BYTES = 16 << 20  # what the worker sends
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
-CHANNEL_OPTIONS = [*KEEPALIVE, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]  # the store link
 
 
 async def serve(config: WorkerConfig) -> None:
     """Serve until SIGTERM (then return) or an engine failure (then exit the process with 1)."""
     admission = Admission(config.max_pending)
-    servicer = InferenceServicer(admission)
+    metrics = WorkerMetrics(CollectorRegistry(), admission)
+    servicer = InferenceServicer(admission, metrics)
     server, health = await _start_server(config, servicer)
+    endpoint = MetricsEndpoint(config.metrics_listen, metrics.registry) if config.metrics_listen else None
     await health.set("readiness", NOT_SERVING)
     await health.set(SERVICE, NOT_SERVING)
-    store = grpc.insecure_channel(config.store, options=CHANNEL_OPTIONS) if config.store else None
+    store = open_store_channel(config.store, config.store_tls, config.store_token) if config.store else None
     engine, watch = await asyncio.to_thread(_build_engine, config, store)
     failed = _engine_failure(engine)
     servicer.engine = engine
+    metrics.watch_engine(engine)
     await health.set("readiness", SERVING)
     await health.set(SERVICE, SERVING)
     log.info("ready: model %s, %s", config.engine.model, f"store {config.store}" if store else "no store")
@@ -55,6 +66,8 @@ async def serve(config: WorkerConfig) -> None:
         watch.stop()
     if store is not None:
         store.close()
+    if endpoint is not None:
+        endpoint.close()
 
 
 def _engine_failure(engine: Engine) -> asyncio.Future:
@@ -80,9 +93,7 @@ async def _start_server(config: WorkerConfig, servicer: InferenceServicer):
     )
     pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
     health = await add_health_and_reflection(server, [SERVICE, "liveness", "readiness"])
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise InvalidArgument(f"cannot listen on {config.listen}")
+    port = add_port(server, config.listen, config.tls)
     await server.start()
     print(f"inference worker listening on {config.listen.rsplit(':', 1)[0]}:{port}", flush=True)
     return server, health

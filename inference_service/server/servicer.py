@@ -1,11 +1,11 @@
 """The InferenceService gRPC servicer: each method decodes, calls the engine, encodes."""
 
 import asyncio
-import time
 
 from inference_service.engine import Engine
 from inference_service.server import convert
 from inference_service.server.admission import Admission
+from inference_service.server.prometheus_metrics import WorkerMetrics
 from shared.errors import Unavailable
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -14,8 +14,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, admission: Admission):
-        self.admission = admission
+    def __init__(self, admission: Admission, metrics: WorkerMetrics):
+        self.admission, self.metrics = admission, metrics
         self.engine: Engine | None = None  # set once the model is loaded: readiness
 
     def _ready_engine(self) -> Engine:
@@ -24,10 +24,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return self.engine
 
     async def Generate(self, request, context):
-        with self.admission.enter():  # before tokenizing: an overloaded worker refuses at once
+        # Admission before tokenizing: an overloaded worker refuses at once (and that is counted).
+        with self.metrics.generate_call(request.adapter) as call, self.admission.enter():
             engine = self._ready_engine()
-            start = time.perf_counter()
-            first_token_s = None
             # Tokenizing and templating take time in proportion to the prompt: in a thread, so the
             # event loop goes on serving every other call meanwhile.
             engine_request = await asyncio.to_thread(
@@ -36,13 +35,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             async for delta in engine.stream(engine_request):
                 if delta.error is not None:
                     raise delta.error
-                if delta.token_ids and first_token_s is None:
-                    first_token_s = time.perf_counter() - start
+                if delta.token_ids:
+                    call.token()
                 if delta.token_ids or delta.text:
                     yield convert.delta(delta)
                 if delta.finish_reason is not None:
-                    total_s = time.perf_counter() - start
-                    yield convert.final(delta, first_token_s or total_s, total_s)
+                    yield convert.final(delta, *call.finished())
 
     # Snapshots take the engine's step lock: they wait in a thread, never on the event loop.
     async def ListAdapters(self, request, context):

@@ -9,6 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from adapter_store.catalog import AdapterRecord
+from shared.adapter_blob import digest
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,3 +144,19 @@ def stub(store):
 
 
 AUTH = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+
+
+def record(adapter_id: str, content: bytes = b"blob", pinned: bool = False) -> AdapterRecord:
+    """A catalog record of `content` (only its digest and size are real)."""
+    return AdapterRecord(
+        adapter_id=adapter_id,
+        digest=digest(content),
+        rank=8,
+        alpha=16.0,
+        target_modules=("q_proj", "v_proj"),
+        size_bytes=len(content),
+        dtype="float32",
+        source_uri=f"file:///adapters/{adapter_id}",
+        pinned=pinned,
+        created_at=1_700_000_000.5,
+    )

@@ -25,6 +25,14 @@ from tests.adapter_store.conftest import (  # noqa: F401 - s3_endpoint, sources_
 from tests.conftest import build_tiny_model
 
 
+def until(condition, timeout_s: float = 15.0) -> None:
+    """Poll `condition` every 0.1 s until it holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
 from tests.adapter_store.conftest import AUTH, upload_folder
 from tests.conftest import TINY_ADAPTERS, build_peft_adapter
-from tests.e2e.conftest import WorkerProcess, register
+from tests.e2e.conftest import WorkerProcess, register, until
 
 ADAPTERS = ("all8", "qv4", "mlp16rs", "re2")
 # (adapter or None, prompt token ids, max_tokens)
@@ -108,10 +108,10 @@ def test_pinning_in_the_store_preloads_the_adapter_on_the_worker(generate, admin
         adapters = generate.ListAdapters(pb.ListAdaptersRequest()).adapters
         return {a.adapter_id: a for a in adapters}.get("preloaded")
 
-    _until(lambda: held() is not None and held().location == pb.ADAPTER_LOCATION_HOST)
+    until(lambda: held() is not None and held().location == pb.ADAPTER_LOCATION_HOST)
     assert held().pinned and held().digest.startswith("sha256:")
     admin.UnpinAdapter(store_pb.UnpinAdapterRequest(adapter_id="preloaded"), metadata=AUTH)
-    _until(lambda: not held().pinned)
+    until(lambda: not held().pinned)
 
 
 def test_delete_refuses_new_requests_while_running_ones_finish(generate, admin, sources_root):
@@ -119,7 +119,7 @@ def test_delete_refuses_new_requests_while_running_ones_finish(generate, admin, 
     stream = generate.Generate(_request("doomed", [5, 6], 1500, ignore_eos=True), timeout=60)
     first = next(stream)
     admin.DeleteAdapter(store_pb.DeleteAdapterRequest(adapter_id="doomed"), metadata=AUTH)
-    _until(lambda: _status(generate, _request("doomed", [5], 2)) == grpc.StatusCode.NOT_FOUND)
+    until(lambda: _status(generate, _request("doomed", [5], 2)) == grpc.StatusCode.NOT_FOUND)
     tokens = list(first.delta.token_ids)
     final = None
     for response in stream:
@@ -140,7 +140,7 @@ def test_worker_keeps_serving_through_a_store_outage(generate, admin, store, sou
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "late" in e.value.details()
 
     store.start()  # same port and data dir; the module fixture stops it at the end
-    _until(lambda: _status(generate, _request("late", [5], 3)) == grpc.StatusCode.OK, timeout_s=30)
+    until(lambda: _status(generate, _request("late", [5], 3)) == grpc.StatusCode.OK, timeout_s=30)
 
 
 def test_a_bfloat16_worker_reports_the_stores_digest(tmp_path, long_model, store, admin, registered):
@@ -175,7 +175,7 @@ def test_cancel_storm_frees_every_request_block_and_slot(generate, registered):
         s = generate.GetStats(pb.GetStatsRequest())
         return (s.running, s.waiting, s.in_flight, s.kv_blocks_used, s.active_slots) == (0, 0, 0, 0, 0)
 
-    _until(idle)
+    until(idle)
     stats = generate.GetStats(pb.GetStatsRequest())
     aborted = sum(r.count for r in stats.requests if r.outcome == "abort")
     assert aborted >= 90  # a few may finish their 400 tokens first
@@ -194,7 +194,7 @@ def test_a_full_worker_refuses_at_once_with_resource_exhausted(tmp_path, long_mo
         assert time.monotonic() - start < 1.0
         for stream in long:
             stream.cancel()
-        _until(lambda: _status(stub, _request(None, [5], 2)) == grpc.StatusCode.OK)
+        until(lambda: _status(stub, _request(None, [5], 2)) == grpc.StatusCode.OK)
     worker.terminate()
     assert worker.wait() == 0
 
@@ -206,7 +206,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_ones(tmp_path, long_mo
         stream = stub.Generate(_request(None, [5, 6], 800, ignore_eos=True), timeout=60)
         tokens = list(next(stream).delta.token_ids)
         worker.terminate()
-        _until(lambda: _status(stub, _request(None, [5], 2)) == grpc.StatusCode.UNAVAILABLE)
+        until(lambda: _status(stub, _request(None, [5], 2)) == grpc.StatusCode.UNAVAILABLE)
         final = None
         for response in stream:
             tokens += response.delta.token_ids
@@ -221,10 +221,3 @@ def _status(stub, request) -> grpc.StatusCode:
     except grpc.RpcError as e:
         return e.code()
     return grpc.StatusCode.OK
-
-
-def _until(condition, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)

@@ -7,10 +7,12 @@ import threading
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from inference_service.engine import Engine, EngineConfig
 from inference_service.server import convert
 from inference_service.server.admission import Admission
+from inference_service.server.prometheus_metrics import WorkerMetrics
 from inference_service.server.servicer import InferenceServicer
 from shared.errors import InvalidArgument
 from shared.grpc_server import ErrorInterceptor
@@ -94,7 +96,8 @@ def engine(tiny_chat_model):
 
 async def _served(engine: Engine, scenario) -> None:
     """Runs `scenario(stub)` against the real servicer on an in-process server on this event loop."""
-    servicer = InferenceServicer(Admission(8))
+    admission = Admission(8)
+    servicer = InferenceServicer(admission, WorkerMetrics(CollectorRegistry(), admission))
     servicer.engine = engine
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)

@@ -25,3 +25,10 @@ def test_step_timeout_defaults_to_a_minute_and_must_be_positive():
 def test_decode_steps_use_cuda_graphs_unless_eager():
     assert parse_config(["--model", "m"]).engine.cuda_graphs is True
     assert parse_config(["--model", "m", "--eager"]).engine.cuda_graphs is False
+
+
+def test_metrics_are_off_unless_given_a_host_and_port():
+    assert parse_config(["--model", "m"]).metrics_listen is None
+    assert parse_config(["--model", "m", "--metrics-listen", "[::]:9400"]).metrics_listen == "[::]:9400"
+    with pytest.raises(InvalidArgument, match="metrics address ':9400' is not HOST:PORT"):
+        parse_config(["--model", "m", "--metrics-listen", ":9400"])

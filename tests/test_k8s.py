@@ -1,0 +1,248 @@
+"""deploy/k8s: every manifest valid against the Kubernetes API schema, and wired the way the pods
+rely on at run time: command lines the real parsers accept, probes on the ports the processes
+listen on, every Secret and ConfigMap they name present, nginx's upstreams naming every worker."""
+
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from adapter_store.__main__ import build_parser as store_parser
+from inference_service.server.main import build_parser as worker_parser
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "k8s"
+NGINX = REPO / "deploy" / "nginx"
+# The oldest version the manifests must work on: native sidecars (restartPolicy: Always on an init
+# container) are on by default from 1.29 and GA in 1.33.
+KUBERNETES_VERSION = "1.33"
+PARSERS = {"inference_service": worker_parser, "adapter_store": store_parser}
+MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def all_resources() -> list[dict]:
+    return [d for path in MANIFESTS for d in documents(path)]
+
+
+def one(kind: str, name: str) -> dict:
+    return next(r for r in all_resources() if r["kind"] == kind and r["metadata"]["name"] == name)
+
+
+def pod_specs() -> list[dict]:
+    return [r["spec"]["template"]["spec"] for r in all_resources() if "template" in r.get("spec", {})]
+
+
+def containers(spec: dict) -> list[dict]:
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def loramux_containers() -> list[tuple[str, dict, argparse.Namespace]]:
+    """(program, container, parsed flags) of every container running one of our two programs."""
+    found = []
+    for spec in pod_specs():
+        for c in containers(spec):
+            command = c.get("command", []) + c.get("args", [])
+            if command[:2] == ["python", "-m"]:
+                assert command[2] in PARSERS, f"container {c['name']} runs an unknown module {command[2]}"
+                found.append((command[2], c, parse(command[2], command[3:], c)))
+    return found
+
+
+def parse(program: str, argv: list[str], container: dict) -> argparse.Namespace:
+    """The flags as the program sees them, with the container's environment set (the token
+    defaults come from it)."""
+    env = {e["name"]: e.get("value", f"<{e['name']} from the cluster>") for e in container.get("env", [])}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        try:
+            args, unknown = PARSERS[program]().parse_known_args(argv)
+        except SystemExit:
+            pytest.fail(f"{program} in container {container['name']} rejects a value in {argv}")
+    assert not unknown, f"{program} in container {container['name']} has no flags {unknown}"
+    return args
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def named_ports(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def assert_valid(resource: dict, source: str) -> None:
+    """Strict: a field the API does not have (a typo) fails too."""
+    try:
+        kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        where = ".".join(str(part) for part in e.path)
+        pytest.fail(f"{source}: {resource['kind']}/{resource['metadata']['name']}: {where}: {e.message}")
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_strictly(path):
+    for resource in documents(path):
+        assert_valid(resource, path.name)
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = {r for r in kustomization["resources"] if r.endswith(".yaml")}
+    assert listed == {p.name for p in MANIFESTS}
+
+
+def test_kustomize_builds_the_router_config_from_deploy_nginx():
+    kubectl, kustomize = shutil.which("kubectl"), shutil.which("kustomize")
+    if not (kubectl or kustomize):
+        pytest.skip("neither kubectl nor kustomize is installed")
+    command = [kubectl, "kustomize"] if kubectl else [kustomize, "build"]
+    built = subprocess.run([*command, str(K8S)], capture_output=True, text=True, timeout=30)
+    assert built.returncode == 0, built.stderr
+    resources = list(yaml.safe_load_all(built.stdout))
+    for r in resources:
+        assert_valid(r, "kustomize build")
+    config = next(r for r in resources if r["kind"] == "ConfigMap")
+    assert config["data"]["loramux.conf"] == (NGINX / "loramux.conf").read_text()
+    assert config["data"]["listen.conf"] == (NGINX / "listen.conf").read_text()
+    assert config["data"]["upstreams.conf"] == (K8S / "nginx-upstreams.conf").read_text()
+    router = next(
+        r for r in resources if r["metadata"]["name"] == "loramux-router" and r["kind"] == "Deployment"
+    )
+    volumes = router["spec"]["template"]["spec"]["volumes"]
+    assert config["metadata"]["name"] in [v["configMap"]["name"] for v in volumes if "configMap" in v]
+    assert {r["metadata"].get("namespace") for r in resources if r["kind"] != "Namespace"} == {"loramux"}
+
+
+def test_worker_and_store_command_lines_parse():
+    """loramux_containers() parses each command line with its program's parser, failing on an
+    unknown flag or a bad value."""
+    programs = sorted(program for program, _, _ in loramux_containers())
+    assert programs == ["adapter_store", "inference_service"]
+
+
+def test_probes_and_ports_are_where_the_processes_listen():
+    for program, c, args in loramux_containers():
+        listen, metrics = port_of(args.listen), port_of(args.metrics_listen)
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"]["port"] == listen, f"{program} {probe}"
+        assert {listen, metrics} <= set(named_ports(c).values()), program
+        assert args.listen.startswith("0.0.0.0:"), f"{program}: kubelet probes come from outside the pod"
+
+
+def test_worker_uses_its_sidecar_store_with_the_shared_token():
+    by_program = {program: (c, args) for program, c, args in loramux_containers()}
+    store, store_args = by_program["adapter_store"]
+    worker_args = by_program["inference_service"][1]
+    assert store.get("restartPolicy") == "Always", "the store must be a native sidecar"
+    assert worker_args.store == f"127.0.0.1:{port_of(store_args.listen)}"
+    assert worker_args.api_token and store_args.admin_token
+    assert worker_args.store_token and worker_args.store_token == store_args.worker_token
+
+
+def test_stores_share_a_catalog_in_buckets_the_cluster_creates():
+    store_args = next(args for program, _, args in loramux_containers() if program == "adapter_store")
+    assert store_args.catalog and store_args.catalog.startswith("s3://"), (
+        "each pod would have its own catalog"
+    )
+    job = one("Job", "minio-create-bucket")["spec"]["template"]["spec"]["containers"][0]
+    created = set(re.findall(r"local/([a-z0-9.-]+)", " ".join(job["args"])))
+    wanted = {store_args.catalog.removeprefix("s3://").partition("/")[0], *store_args.s3_allowed_bucket}
+    assert wanted <= created
+    assert store_args.s3_endpoint == f"http://minio:{one('Service', 'minio')['spec']['ports'][0]['port']}"
+
+
+def test_writable_paths_are_volumes():
+    cache = re.search(r"^ENV LORAMUX_CACHE=(\S+)", (REPO / "Dockerfile").read_text(), re.M).group(1)
+    for program, c, args in loramux_containers():
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        writable = str(args.data_dir) if program == "adapter_store" else f"{cache}/adapters"
+        assert writable in mounts, f"{program} writes to {writable}"
+        assert "/tmp" in mounts
+
+
+def test_every_secret_and_config_map_named_exists():
+    secrets = {
+        r["metadata"]["name"]: {*r.get("stringData", {}), *r.get("data", {})}
+        for r in all_resources()
+        if r["kind"] == "Secret"
+    }
+    config_maps = {
+        g["name"]
+        for folder in (K8S, NGINX)
+        for g in yaml.safe_load((folder / "kustomization.yaml").read_text()).get("configMapGenerator", [])
+    }
+    for spec in pod_specs():
+        for c in containers(spec):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in secrets.get(ref["name"], ()), f"{c['name']}: {env['name']}"
+        for volume in spec.get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in config_maps
+
+
+def test_every_service_reaches_a_named_container_port():
+    for service in (r for r in all_resources() if r["kind"] == "Service"):
+        selector = service["spec"]["selector"]
+        pods = [
+            r["spec"]["template"]
+            for r in all_resources()
+            if selector.items()
+            <= r.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {}).items()
+        ]
+        assert pods, f"service {service['metadata']['name']} selects no pods"
+        ports = {n: p for pod in pods for c in containers(pod["spec"]) for n, p in named_ports(c).items()}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, f"{service['metadata']['name']}: {port['targetPort']}"
+        scraped = service["metadata"].get("annotations", {}).get("prometheus.io/port")
+        if scraped:
+            assert [int(scraped)] == [ports[p["targetPort"]] for p in service["spec"]["ports"]]
+
+
+def test_metrics_services_scrape_both_processes():
+    metrics = {port_of(args.metrics_listen) for _, _, args in loramux_containers()}
+    scraped = {
+        int(r["metadata"]["annotations"]["prometheus.io/port"])
+        for r in all_resources()
+        if r["kind"] == "Service"
+        and r["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"
+    }
+    assert scraped == metrics == {9400, 9401}
+
+
+def directives(path: Path) -> list[list[str]]:
+    """An nginx include file's directives as word lists, comments and the closing ';' dropped."""
+    lines = (line.split("#")[0].strip().removesuffix(";") for line in path.read_text().splitlines())
+    return [line.split() for line in lines if line]
+
+
+def test_nginx_upstreams_name_every_worker_pod():
+    workers = one("StatefulSet", "loramux-worker")
+    governing = one("Service", workers["spec"]["serviceName"])
+    assert governing["spec"]["clusterIP"] == "None", "only a headless Service gives pods DNS names"
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    worker_args = next(args for program, _, args in loramux_containers() if program == "inference_service")
+    domain = f"{governing['metadata']['name']}.{namespace}.svc.cluster.local"
+    expected = {
+        f"{workers['metadata']['name']}-{i}.{domain}:{port_of(worker_args.listen)}"
+        for i in range(workers["spec"]["replicas"])
+    }
+    ours = directives(K8S / "nginx-upstreams.conf")
+    servers = [words for words in ours if words[0] == "server"]
+    assert {words[1] for words in servers} == expected
+    shipped = next(words for words in directives(NGINX / "upstreams.conf") if words[0] == "server")
+    for words in servers:
+        assert set(words[2:]) == {"resolve", *shipped[2:]}, "failover as deploy/nginx/upstreams.conf has it"
+    assert any(words[0] == "resolver" for words in ours), "`resolve` needs a resolver"
