@@ -33,6 +33,8 @@ class SchedulerStats:
     running: int
     kv_blocks_used: int
     kv_blocks_total: int
+    running_adapters: tuple[str, ...]  # adapter names of running requests, each once, oldest first
+    waiting_adapters: tuple[str, ...]  # and of waiting ones
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,14 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         total = self.allocator.num_blocks
-        return SchedulerStats(len(self.waiting), len(self.running), total - self.allocator.num_free, total)
+        return SchedulerStats(
+            len(self.waiting),
+            len(self.running),
+            total - self.allocator.num_free,
+            total,
+            _adapter_names(self.running),
+            _adapter_names(self.waiting),
+        )
 
     def postprocess(self, chunks: list[ScheduledChunk], sampled: list[tuple[Sequence, int]]) -> None:
         """After a step ran: each chunk's tokens are in the KV cache, and each (sequence, token)
@@ -175,3 +184,8 @@ class Scheduler:
         del self._by_id[seq.request_id]
         seq.block_table, seq.slot = [], -1
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+
+def _adapter_names(seqs: "list[Sequence] | deque[Sequence]") -> tuple[str, ...]:
+    """The adapters of `seqs` (base-model sequences left out), each once, in order."""
+    return tuple(dict.fromkeys(seq.adapter for seq in seqs if seq.adapter))

@@ -19,7 +19,6 @@ from prometheus_client.registry import Collector
 
 from inference_service.engine import Engine, EngineStats
 from inference_service.engine.metrics import Histogram as EngineHistogram
-from inference_service.engine.sequence import Status
 from inference_service.server.admission import Admission
 from shared.errors import LoramuxError
 from shared.grpc_server import status_of
@@ -152,7 +151,7 @@ class EngineCollector(Collector):
             "memory (fetch, verify, prepare); its count is the loads",
             stats.adapter_load_seconds,
         )
-        yield _lora_requests_info(self._engine)
+        yield _lora_requests_info(stats, config.max_loras)
 
 
 def _request_families(stats: EngineStats) -> Iterator[Metric]:
@@ -227,27 +226,15 @@ def _histogram(name: str, documentation: str, h: EngineHistogram) -> HistogramMe
     return HistogramMetricFamily(name, documentation, [*buckets, ("+Inf", h.count)], h.total)
 
 
-def _lora_requests_info(engine: Engine) -> GaugeMetricFamily:
+def _lora_requests_info(stats: EngineStats, max_loras: int) -> GaugeMetricFamily:
     """vLLM's `lora_requests_info`: one series whose labels name the adapters of running and of
     waiting requests (comma-separated, each once, oldest request first) and the most adapters a
     step runs; its value is the scrape time, which routers use to pick the newest series."""
-    running, waiting = _adapters_by_status(engine)
+    running, waiting = stats.scheduler.running_adapters, stats.scheduler.waiting_adapters
     info = GaugeMetricFamily(
         "loramux:lora_requests_info",
         "Running stats on LoRA requests",
         labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
     )
-    info.add_metric([",".join(running), ",".join(waiting), str(engine.config.max_loras)], time.time())
+    info.add_metric([",".join(running), ",".join(waiting), str(max_loras)], time.time())
     return info
-
-
-def _adapters_by_status(engine: Engine) -> tuple[list[str], list[str]]:
-    """Adapter names of running and of waiting requests. EngineStats does not carry them, so this
-    reads the scheduler's sequences: one copy of the list (taken whole under the GIL), then each
-    sequence's status and adapter, which may be a step old but never torn."""
-    running: dict[str, None] = {}
-    waiting: dict[str, None] = {}
-    for seq in engine.scheduler.sequences:
-        if seq.adapter is not None and seq.status is not Status.FINISHED:
-            (running if seq.status is Status.RUNNING else waiting)[seq.adapter] = None
-    return list(running), list(waiting)

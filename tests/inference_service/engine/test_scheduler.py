@@ -425,3 +425,15 @@ def test_a_new_adapter_takes_the_idle_slot_no_waiting_request_uses():
     assert [ready.name for _, ready in schedule.activations] == ["c"]
     assert rig.slots.resident("digest-b") is not None  # kept for b2 although its slot was older...
     assert rig.slots.resident("digest-a") is None  # ...because nobody waits for a
+
+
+def test_stats_name_the_adapters_of_running_and_of_waiting_requests_once_each_oldest_first():
+    rig = _rig(max_num_seqs=3, max_loras=2, ready=("a", "b", "c"))
+    for rid, adapter in (("b1", "b"), ("base", None), ("a1", "a"), ("b2", "b"), ("c1", "c")):
+        rig.add(rid, 2, 5, adapter)
+    assert rig.scheduler.stats().waiting_adapters == ("b", "a", "c")
+
+    rig.step()  # b1, base and a1 run: max_num_seqs is 3
+
+    stats = rig.scheduler.stats()
+    assert (stats.running_adapters, stats.waiting_adapters) == (("b", "a"), ("b", "c"))
