@@ -12,6 +12,7 @@ from adapter_store.prometheus_metrics import StoreMetrics
 from adapter_store.servicer import ADMIN_METHODS, SERVICE, WORKER_METHODS, AdapterStoreServicer
 from adapter_store.store import Store
 from shared.grpc_server import (
+    KEEPALIVE,
     ErrorInterceptor,
     TokenInterceptor,
     add_health_and_reflection,
@@ -34,8 +35,7 @@ async def serve(config: StoreConfig) -> None:
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
+            *KEEPALIVE,
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ],
     )

@@ -9,7 +9,7 @@ from kernels.triton_dot import dot, dot_in_fp32
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-    """Semantics: out[i, s, :r] = A[slot_i, s, :r] @ x[i] for every token i with slot_i >= 0,
+    """Semantics: out[i, s, :r] = A[slot_i, :r, s] @ x[i] for every token i with slot_i >= 0,
     where r = batch.rank(slot_i); every other entry is 0.
 
     x: [tokens, in]; a: [max_loras, rank, slices, in]; returns [tokens, slices, rank]. The CPU

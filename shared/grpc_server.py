@@ -17,6 +17,9 @@ from shared import errors
 from shared.tls import ServerTls
 
 log = logging.getLogger(__name__)
+# Pings on idle connections: both servers and the worker's channel to its store notice a dead
+# peer in ~40 s instead of at the next write.
+KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
 STATUS = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

@@ -53,10 +53,10 @@ class HostTier:
     name however many requests wait for it; the engine collects finished loads each step.
 
     Waiting requests hold the names they use, from arrival to admission. Eviction drops adapters
-    no waiting request holds first (least recently used first), and a load starts only while the held adapters
-    ready or loading number fewer than `capacity`: a queue naming more adapters than the tier
-    keeps loads them as earlier ones finish, instead of evicting adapters that waiting requests
-    are about to use (thrashing)."""
+    no waiting request holds first (least recently used first), and a load starts only while the
+    held adapters ready or loading number fewer than `capacity`: a queue naming more adapters
+    than the tier keeps loads them as earlier ones finish, instead of evicting adapters that
+    waiting requests are about to use (thrashing)."""
 
     def __init__(
         self,

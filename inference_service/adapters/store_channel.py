@@ -3,14 +3,11 @@ mTLS), and the worker token on every call, so fetch and watch code never handles
 
 import grpc
 
+from shared.grpc_server import KEEPALIVE
 from shared.tls import ChannelTls
 
 MAX_MESSAGE_BYTES = 16 << 20  # what the worker takes in from the store (fetch chunks are 1 MiB)
-OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+OPTIONS = [*KEEPALIVE, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 def open_store_channel(address: str, tls: ChannelTls | None, token: str | None) -> grpc.Channel:

@@ -6,6 +6,7 @@ running adapter holds a device slot, so at most max_loras distinct adapters shar
 """
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inference_service.adapters.host_tier import HostTier, ReadyAdapter
@@ -186,6 +187,6 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
 
-def _adapter_names(seqs: "list[Sequence] | deque[Sequence]") -> tuple[str, ...]:
+def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
     """The adapters of `seqs` (base-model sequences left out), each once, in order."""
     return tuple(dict.fromkeys(seq.adapter for seq in seqs if seq.adapter))

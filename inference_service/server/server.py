@@ -21,6 +21,7 @@ from inference_service.server.servicer import SERVICE, InferenceServicer
 from inference_service.server.store_watch import StoreWatch
 from inference_service.server.worker_config import WorkerConfig
 from shared.grpc_server import (
+    KEEPALIVE,
     ErrorInterceptor,
     TokenInterceptor,
     add_health_and_reflection,
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 FAILURE_GRACE_S = 0.5  # for streams to send the status that ends them once the engine died
 MAX_MESSAGE_BYTES = 16 << 20  # what the worker sends
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
 
 async def serve(config: WorkerConfig) -> None:
