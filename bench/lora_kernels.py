@@ -1,8 +1,13 @@
 """The Triton LoRA kernels on a GPU: achieved bytes/s of shrink + expand for decode batches
 against the device's measured copy bandwidth, over batch size, distinct adapters and rank, side
-by side with plain torch (A and B gathered per token, then bmm); then the engine's decode
-tokens/s with 8 rank-16 adapters against the base model. Also prints bench.attention_kernels'
-decode table (paged decode attention against copy bandwidth). Needs CUDA.
+by side with plain torch (each token's A and B pages gathered from the same adapter memory, then
+bmm); then the engine's decode tokens/s with 8 rank-16 adapters against the base model. Also
+prints bench.attention_kernels' decode table (paged decode attention against copy bandwidth).
+Needs CUDA.
+
+The adapters are paged as the engine pages them (kernels/lora_batch.py), on one hidden x hidden
+target: each adapter's pages lie one after another in one layer's pool, a page per unit. Bytes
+moved count x, y read and written, and the pages of the adapters the batch uses.
 
 Kernel times are replays of a CUDA graph holding 20 calls, so they are the GPU's time without
 Python's launch cost (which a serving step pays once per step under a graph); `eager us` is the
@@ -26,7 +31,7 @@ from bench.cuda_timing import copy_bandwidth, cuda_seconds, graph_seconds
 from bench.engine_overhead import decode_rate
 from bench.random_adapter import write_random_adapter
 from inference_service.engine import Engine, EngineConfig
-from kernels.lora_batch import LoraBatch
+from kernels.lora_batch import PAGE_RANK, AdapterPages, LoraBatch, page_views
 from kernels.lora_expand import lora_expand_triton
 from kernels.lora_shrink import lora_shrink_triton
 from shared.dtypes import DTYPES
@@ -36,30 +41,45 @@ BATCHES, ADAPTERS, RANKS = (1, 8, 32, 64, 128, 256), (1, 4, 16, 32), (8, 16, 32,
 
 @dataclass(frozen=True)
 class KernelTiming:
-    moved: int  # bytes the step must move: x, the adapters' A and B, y read and written
+    moved: int  # bytes the step must move: x, the pages of the adapters it uses, y read and written
     ours: float  # seconds, CUDA graph replay
     ours_eager: float  # seconds, launched from Python
     torch_gather_bmm: float  # seconds, CUDA graph replay
 
 
+def paged_adapters(
+    adapters: int, rank: int, hidden: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[int, AdapterPages], int]:
+    """(pool [units*unit], adapters by handle, unit): `adapters` random adapters of rank `rank` on
+    one target (hidden in, hidden out), their pages one after another, one unit per page."""
+    pages = -(-rank // PAGE_RANK)
+    unit = PAGE_RANK * 2 * hidden  # elements of one page: A [PAGE_RANK, hidden], B^T [PAGE_RANK, hidden]
+    pool = torch.randn(adapters * pages * unit, device="cuda", dtype=dtype)  # [units*unit]
+    placed = {i: AdapterPages((rank,), (tuple(range(i * pages, (i + 1) * pages)),)) for i in range(adapters)}
+    return pool, placed, unit
+
+
 def time_kernels(batch: int, adapters: int, rank: int, hidden: int, dtype: torch.dtype) -> KernelTiming:
     slots = [i % adapters for i in range(batch)]
-    lora = LoraBatch.build(slots, "cuda", slot_ranks=[rank] * adapters)
+    pool, placed, unit = paged_adapters(adapters, rank, hidden, dtype)
+    table = LoraBatch.build(slots, placed, "cuda").table
     x = torch.randn(batch, hidden, device="cuda", dtype=dtype)
-    a = torch.randn(adapters, rank, 1, hidden, device="cuda", dtype=dtype)
-    b = (torch.randn(adapters, rank, hidden, device="cuda", dtype=dtype),)
     y = torch.randn(batch, hidden, device="cuda", dtype=dtype)
-    index = lora.token_slots
+    a, b = page_views(pool, unit, hidden, hidden)  # [units, PAGE_RANK, hidden] each
+    index = torch.tensor([placed[s].pages[0] for s in slots], device="cuda")  # [batch, pages]
 
     def ours():
-        lora_expand_triton(y, lora_shrink_triton(x, a, lora), b, lora)
+        partials = lora_shrink_triton(x, pool, table, 0, 1, unit)
+        lora_expand_triton(y, partials, pool, table, 0, (hidden,), hidden, unit)
 
     def gather_bmm():  # [batch, 1, hidden] @ [batch, hidden, rank] @ [batch, rank, hidden]
-        buf = torch.bmm(x[:, None, :], a[index, :, 0].transpose(1, 2))  # [batch, 1, rank]
-        y.add_(torch.bmm(buf, b[0][index])[:, 0])
+        a_rows = a[index].flatten(1, 2)[:, :rank]  # [batch, rank, hidden]
+        b_rows = b[index].flatten(1, 2)[:, :rank]  # [batch, rank, hidden]
+        buf = torch.bmm(x[:, None, :], a_rows.transpose(1, 2))  # [batch, 1, rank]
+        y.add_(torch.bmm(buf, b_rows)[:, 0])
 
-    used = min(adapters, batch)
-    moved = (x.numel() + 2 * y.numel() + used * 2 * rank * hidden) * x.element_size()
+    pages = sum(len(placed[s].pages[0]) for s in set(slots))
+    moved = (x.numel() + 2 * y.numel() + pages * unit) * x.element_size()
     return KernelTiming(moved, graph_seconds(ours), cuda_seconds(ours), graph_seconds(gather_bmm))
 
 

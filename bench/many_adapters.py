@@ -1,6 +1,7 @@
 """Many adapters: generated tokens/s of a saturated engine whose requests name 1,000 registered
-adapters with Zipf(1.0) popularity, against the same requests over 8 hot adapters, on the default
-model; with the host tier's hit rate, the adapter loads and the slot activations of each run.
+adapters of ranks 8 to 64 with Zipf(1.0) popularity, against the same requests over 8 hot
+adapters, on the default model, in the adapter memory 8 rank-16 slots on every module took;
+with the host tier's hit rate, the adapter loads and the activations of each run.
 
 Every adapter is registered by name -> folder only; the host tier loads (validates, optimizes)
 one from disk in the background when a request first names it, and keeps the 64 most recently
@@ -25,13 +26,15 @@ from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from bench.report import markdown_table
 from inference_service.engine import Delta, Engine, EngineConfig, Request
+from inference_service.engine.adapter_memory import slot_memory
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
 
 ADAPTERS, HOT, ZIPF_S = 1000, 8, 1.0
-RANK, TARGETS = 8, ("q_proj", "v_proj")
-REQUESTS, PROMPT, MIN_NEW, MAX_NEW = 56, 16, 16, 32
-MAX_LORAS, MAX_CPU_LORAS, MAX_NUM_SEQS = 8, 64, 32
+RANKS, TARGETS = (8, 16, 32, 64), ("q_proj", "v_proj")  # each adapter's rank drawn from RANKS
+REQUESTS, PROMPT, MIN_NEW, MAX_NEW = 128, 16, 16, 32
+MAX_LORA_RANK, MAX_CPU_LORAS, MAX_NUM_SEQS = max(RANKS), 64, 32
+MEMORY_OF = (8, 16)  # adapter memory: what this many slots of this rank took on every module
 ZIPF, HOT_CASE = f"{ADAPTERS:,} adapters, Zipf({ZIPF_S})", f"{HOT} hot adapters"
 
 
@@ -60,9 +63,11 @@ def workload(seed: int, vocab_size: int) -> Workload:
 
 
 def write_adapters(model: ModelConfig, root: Path, progress: Callable[[str], None]) -> list[Path]:
-    """ADAPTERS random adapters a0 .. a999, each of distinct content (its own seed)."""
+    """ADAPTERS random adapters a0 .. a999, each of distinct content (its own seed) and of a rank
+    drawn uniformly from RANKS."""
     start = time.perf_counter()
-    folders = [write_random_adapter(model, root / f"a{i}", RANK, i, TARGETS) for i in range(ADAPTERS)]
+    ranks = np.random.default_rng(ADAPTERS).choice(RANKS, size=ADAPTERS).tolist()
+    folders = [write_random_adapter(model, root / f"a{i}", ranks[i], i, TARGETS) for i in range(ADAPTERS)]
     megabytes = sum(f.stat().st_size for d in folders for f in d.iterdir()) / 1e6
     progress(f"wrote {ADAPTERS} adapters ({megabytes:.0f} MB) in {time.perf_counter() - start:.1f} s")
     return folders
@@ -71,10 +76,11 @@ def write_adapters(model: ModelConfig, root: Path, progress: Callable[[str], Non
 def engine_with(model_dir: Path, folders: list[Path]) -> Engine:
     """An engine on which every folder is registered by name only: nothing is read until a
     request names the adapter and the host tier loads it in the background."""
+    memory = slot_memory(ModelConfig.from_dir(model_dir), *MEMORY_OF, torch.float32)
     config = EngineConfig(
         model=str(model_dir),
-        max_loras=MAX_LORAS,
-        max_lora_rank=RANK,
+        max_lora_rank=MAX_LORA_RANK,
+        adapter_memory=memory,
         max_cpu_loras=MAX_CPU_LORAS,
         max_num_seqs=MAX_NUM_SEQS,
         kv_cache_tokens=MAX_NUM_SEQS * (PROMPT + MAX_NEW + 16),
@@ -192,7 +198,7 @@ def summary(rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict:
             "adapter loads": median(case, "loads"),
             "repeated loads": median(case, "reloads"),
             "ms / load": median(case, "load ms"),
-            "slot activations": median(case, "activations"),
+            "activations": median(case, "activations"),
             "running / step": median(case, "running per step"),
             "adapters / step": median(case, "adapters per step"),
             "idle s": median(case, "idle s", 2),
@@ -211,21 +217,23 @@ def summary(rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict:
 def setup(repeats: int) -> str:
     return (
         f"Default model on the CPU, float32. {ADAPTERS:,} random PEFT adapters of distinct content, "
-        f"rank {RANK} on {' and '.join(TARGETS)} of every layer (1.9 MB of fp32 safetensors each), "
+        f"each of a rank drawn uniformly from {RANKS} on {' and '.join(TARGETS)} of every layer, "
         f"written to a temporary folder (so read from the page cache) and registered by name and "
         f"folder only: the host tier loads one (read, validate, optimize) on its 2 background threads "
-        f"when a request first names it. Engine: max_loras={MAX_LORAS} device slots, "
+        f"when a request first names it. Engine: adapter memory of {MEMORY_OF[0]} rank-{MEMORY_OF[1]} "
+        f"adapters on every module (what {MEMORY_OF[0]} slots of rank {MEMORY_OF[1]} took before "
+        f"paging), max_lora_rank={MAX_LORA_RANK}, "
         f"max_cpu_loras={MAX_CPU_LORAS} adapters in the host tier, max_num_seqs={MAX_NUM_SEQS}. "
         f"A round is {REQUESTS} requests, each a {PROMPT}-token random prompt and {MIN_NEW}..{MAX_NEW} "
         f"new tokens (greedy, EOS ignored), all submitted at once: a saturated server, whose "
         f"throughput is its capacity, with a queue deeper than max_num_seqs, which is what lets the "
-        f"scheduler fill a step with requests whose adapters hold slots. The Zipf case draws each "
+        f"scheduler fill a step with requests whose adapters are in device memory. The Zipf case draws each "
         f"request's adapter with p(k) proportional to 1/k over the {ADAPTERS:,}; the hot case sends "
         f"the same prompts and lengths to the {HOT} most popular adapters in turn. tok/s is generated "
         f"tokens over the wall time from the first submit to the last token, background loads "
         f"included. The host-tier hit rate is the engine's counter, hits / (hits + misses), which "
-        f"counts every admission check (a request waiting for a slot counts a hit at each step it "
-        f"waits); 'requests whose adapter was held' is the share of requests whose adapter was ready "
+        f"counts every admission check (a request waiting for device memory counts a hit at each step "
+        f"it waits); 'requests whose adapter was held' is the share of requests whose adapter was ready "
         f"in the host tier when the round began. Repeated loads are loads beyond one per adapter that "
         f"was not held; ms / load is a load's mean time on its thread. Running / step and "
         f"adapters / step count the requests that got a token in a step and their distinct "

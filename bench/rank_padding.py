@@ -1,7 +1,10 @@
-"""What padding a rank-8 adapter up to max_lora_rank costs: decode step time on the default
-model, 32 sequences over 8 distinct rank-8 all-linear adapters, with max_lora_rank 8, 16, 64,
-beside the same batch without adapters. The variants are stepped in turn, one decode step each,
-the order rotating: rounds of many steps drift by 10% between variants on 2 cores.
+"""What a larger max_lora_rank costs rank-8 adapters: decode step time on the default model, 32
+sequences over 8 distinct rank-8 all-linear adapters, with max_lora_rank 8, 16, 64, beside the
+same batch without adapters. Each adapter takes its own pages of adapter memory (one per target
+at rank 8) whatever max_lora_rank is; max_lora_rank sizes the memory and the steps' page tables
+(fixed-size slots used to pad every adapter up to it). The variants are stepped in turn, one
+decode step each, the order rotating: rounds of many steps drift by 10% between variants on 2
+cores.
 
     .venv/bin/python -m bench.rank_padding [--steps 60]
 """
@@ -16,6 +19,7 @@ import torch
 
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
+from inference_service.engine.adapter_memory import AdapterMemory, page_units, pages_needed
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
@@ -49,8 +53,12 @@ class DecodeCase:
         return time.perf_counter() - start
 
 
-def build_runner(model_dir: Path, max_rank: int, adapter_dirs: list[Path], steps: int) -> ModelRunner:
-    """A runner whose KV cache holds two cases of `steps` decode steps (base and adapters)."""
+def build_runner(
+    model_dir: Path, max_rank: int, adapter_dirs: list[Path], steps: int
+) -> tuple[ModelRunner, list[int]]:
+    """A runner whose KV cache holds two cases of `steps` decode steps (base and adapters), and
+    the slots of the adapters (adapter_dirs order), placed in its adapter memory as the engine
+    places them."""
     runner = ModelRunner(
         EngineConfig(
             model=str(model_dir),
@@ -59,11 +67,14 @@ def build_runner(model_dir: Path, max_rank: int, adapter_dirs: list[Path], steps
             kv_cache_tokens=2 * SEQUENCES * (CONTEXT + steps + 16),
         )
     )
-    for slot, folder in enumerate(adapter_dirs):
-        runner.load_slot(
-            slot, load_peft_adapter(folder.name, folder, runner.model_config, max_rank, torch.float32)
-        )
-    return runner
+    memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
+    slots = []
+    for folder in adapter_dirs:
+        weights = load_peft_adapter(folder.name, folder, runner.model_config, max_rank, torch.float32)
+        slot, _ = memory.acquire(folder.name, pages_needed(weights))
+        runner.load_slot(slot, weights, memory.pages(slot))
+        slots.append(slot)
+    return runner, slots
 
 
 def main() -> None:
@@ -78,13 +89,15 @@ def main() -> None:
         adapter_dirs = [
             write_random_adapter(config, Path(tmp) / f"a{i}", ADAPTER_RANK, seed=i) for i in range(ADAPTERS)
         ]
-        runners = {r: build_runner(model_dir, r, adapter_dirs, args.steps) for r in MAX_RANKS}
-    mixed = sorted(i % ADAPTERS for i in range(SEQUENCES))  # grouped by slot, as the engine orders a batch
+        built = {r: build_runner(model_dir, r, adapter_dirs, args.steps) for r in MAX_RANKS}
+    runners = {r: runner for r, (runner, _) in built.items()}
+    # grouped by adapter, as the engine orders a batch
+    mixed = {r: sorted(slots[i % ADAPTERS] for i in range(SEQUENCES)) for r, (_, slots) in built.items()}
     allocators = {r: BlockAllocator(runner.num_blocks) for r, runner in runners.items()}
     with torch.inference_mode():
         cases = {BASE: DecodeCase(runners[8], allocators[8], [-1] * SEQUENCES, args.steps)}
         for r, runner in runners.items():
-            cases[f"max_lora_rank={r}"] = DecodeCase(runner, allocators[r], mixed, args.steps)
+            cases[f"max_lora_rank={r}"] = DecodeCase(runner, allocators[r], mixed[r], args.steps)
         times = {name: [] for name in cases}
         names = list(cases)
         for step in range(args.steps):  # one step of each case in turn, the order rotating

@@ -1,7 +1,8 @@
 """Activation of a ready adapter: copying a rank-16 all-linear adapter of the default model from
-the host tier into a device slot (ModelRunner.load_slot, which also clears the slot first),
-beside a plain copy of the same tensors into preallocated buffers. The two alternate, so both
-see the same machine state; p50 and p99 over many activations.
+the host tier into its pages of device adapter memory (placed by AdapterMemory, copied by
+ModelRunner.load_slot, which zeroes the pages first), beside a plain copy of the same tensors
+into preallocated buffers. The two alternate, so both see the same machine state; p50 and p99
+over many activations.
 
     .venv/bin/python -m bench.slot_activation [--activations 50]
 """
@@ -16,6 +17,7 @@ import torch
 
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
+from inference_service.engine.adapter_memory import AdapterMemory, page_units, pages_needed
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from shared.peft_checkpoint import AdapterWeights, load_peft_adapter
@@ -53,10 +55,13 @@ def slot_activation(model_dir: Path, activations: int = 50) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_adapter(runner.model_config, Path(tmp) / "r16", RANK, seed=0)
         weights = load_peft_adapter("r16", folder, runner.model_config, RANK, runner.config.torch_dtype)
+    memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
+    slot, _ = memory.acquire("r16", pages_needed(weights))
+    pages = memory.pages(slot)
     copy = raw_copy(weights)
     times: dict[str, list[float]] = {"activate": [], "raw copy": []}
     for i in range(activations + 1):  # the first pair warms up and is dropped
-        activate, raw = timed(lambda: runner.load_slot(0, weights)), timed(copy)
+        activate, raw = timed(lambda: runner.load_slot(slot, weights, pages)), timed(copy)
         if i:
             times["activate"].append(activate)
             times["raw copy"].append(raw)
@@ -68,7 +73,7 @@ def summary(times: dict[str, list[float]], weights: AdapterWeights, device: str)
     activate, raw = percentiles(times["activate"]), percentiles(times["raw copy"])
     table = [
         {
-            "case": f"activate host tier -> {device} slot, {label}",
+            "case": f"activate host tier -> {device} adapter memory, {label}",
             "ms": round(activate[i] * 1e3, 2),
             "baseline": f"copy of the same {size / 1e6:.1f} MB, {label}",
             "baseline ms": round(raw[i] * 1e3, 2),
@@ -79,8 +84,9 @@ def summary(times: dict[str, list[float]], weights: AdapterWeights, device: str)
     return {
         "setup": (
             f"a rank-{RANK} all-linear adapter of the default model ({size / 1e6:.1f} MB in the serving "
-            f"dtype) copied from host memory into a {device} slot by ModelRunner.load_slot (slot cleared "
-            f"first), alternating with a plain copy of the same tensors; {len(times['activate'])} of each"
+            f"dtype) copied from host memory into its pages of {device} adapter memory by "
+            f"ModelRunner.load_slot (pages zeroed first), alternating with a plain copy of the same "
+            f"tensors; {len(times['activate'])} of each"
         ),
         "table": table,
         "seconds": times,

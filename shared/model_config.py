@@ -19,6 +19,15 @@ PACKED_MODULES = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+# LoRA targets in adapter memory order: a packed module's slices are consecutive targets.
+LORA_TARGETS = tuple(PACKED_MODULES)
+
+
+def first_target(packed: str) -> int:
+    """The target index of a packed module's first slice."""
+    return next(t for t, name in enumerate(LORA_TARGETS) if PACKED_MODULES[name][0] == packed)
+
+
 # Where each PEFT module sits inside a decoder layer, as HF names it.
 MODULE_PARENTS = {
     "q_proj": "self_attn",

@@ -5,6 +5,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -84,6 +85,14 @@ class AdapterWeights:
     alpha: float
     target_modules: tuple[str, ...]  # PEFT module names with weights, e.g. ("q_proj", "v_proj")
     modules: dict[tuple[int, str], ModuleLora]  # (layer, PEFT module name) -> weights
+
+    @cached_property
+    def module_ranks(self) -> dict[str, int]:
+        """PEFT module name -> the largest rank of its weights over layers."""
+        ranks: dict[str, int] = {}
+        for (_, module), m in self.modules.items():
+            ranks[module] = max(ranks.get(module, 0), m.a.shape[0])
+        return ranks
 
     def pin_memory(self) -> "AdapterWeights":
         """A copy in page-locked host memory, so copies to the device from it run async."""

@@ -1,5 +1,5 @@
 """The engine: continuous batching of requests over the model, with a scheduler, a block allocator,
-device LoRA slots, a model runner, a sampler and incremental detokenizing. What it exports here is
+paged adapter memory, a model runner, a sampler and incremental detokenizing. What it exports here is
 the in-process API of DESIGN.md."""
 
 from inference_service.engine.config import EngineConfig

@@ -13,8 +13,9 @@ class EngineConfig:
     model: str  # HF model folder
     device: str = "cpu"
     dtype: str = "float32"
-    max_loras: int = 4  # adapter slots on the device; distinct adapters in one step
+    max_loras: int = 4  # the default adapter memory holds this many adapters of max_lora_rank on every module
     max_lora_rank: int = 16
+    adapter_memory: int = 0  # bytes of device memory for adapter pages (0: as max_loras says)
     max_cpu_loras: int = 8  # ready adapters kept in host memory (pinned ones come on top)
     max_num_seqs: int = 32  # running sequences
     max_num_batched_tokens: int = 512  # tokens in one step: decode tokens plus prefill chunks
@@ -44,7 +45,7 @@ class EngineConfig:
             raise InvalidArgument(
                 f"step_timeout_s must be a positive number of seconds, got {self.step_timeout_s}"
             )
-        for name in ("max_loras", "max_cpu_loras"):
+        for name in ("max_loras", "max_cpu_loras", "adapter_memory"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative, got {getattr(self, name)}")
 

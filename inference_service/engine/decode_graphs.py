@@ -3,11 +3,13 @@
 A step of n decodes runs in the smallest bucket >= n: its inputs are written into the static
 DecodeBuffers (the rows past n are padding) and the bucket's graph is replayed, so the step pays
 one launch instead of several hundred. Every graph serves any mix of adapters: the LoRA kernels
-launch one program per row and skip the tiles the step does not use, and slot weights change
+launch one program per row and skip the tiles the step does not use, and adapter memory changes
 in place between replays. Prefill and mixed steps run eagerly. Without capture (the CPU, where
 Triton runs in its interpreter) the same buffers and batches run eagerly: the logic is the one
 tested.
 """
+
+from collections.abc import Mapping
 
 import torch
 
@@ -15,6 +17,7 @@ from inference_service.model.decode_buffers import DecodeBuffers
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel
+from kernels.lora_batch import AdapterPages
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -33,10 +36,11 @@ class DecodeGraphs:
         if capture:
             self._capture()
 
-    def run(self, seqs: list[SequenceInput], slot_ranks: list[int]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of a decode step (one new token per sequence), in fp32."""
+    def run(self, seqs: list[SequenceInput], adapters: Mapping[int, AdapterPages]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of a decode step (one new token per sequence), in fp32;
+        adapters[s]: where the adapter of handle s lies in adapter memory."""
         rows = next(b for b in self.buckets if b >= len(seqs))
-        self._buffers.fill(seqs, slot_ranks)
+        self._buffers.fill(seqs, adapters)
         if rows in self._graphs:
             self._graphs[rows].replay()
             return self._logits[rows][: len(seqs)]
@@ -49,7 +53,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         """Largest bucket first, all graphs in one memory pool: smaller ones reuse its blocks."""
-        self._buffers.fill([], [])  # every row padding: captures touch the scratch block only
+        self._buffers.fill([], {})  # every row padding: captures touch the scratch block only
         pool = None
         for rows in reversed(self.buckets):
             batch = self._batches[rows]

@@ -26,6 +26,7 @@ import torch
 
 from inference_service.adapters.host_tier import AdapterLoader, HostTier, ReadyAdapter
 from inference_service.adapters.local_loader import LocalAdapterLoader
+from inference_service.engine.adapter_memory import AdapterMemory, page_units, unit_bytes
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.engine_thread import EngineThread
@@ -35,7 +36,6 @@ from inference_service.engine.request import Delta, Request, RequestOutput
 from inference_service.engine.sampler import generator_for
 from inference_service.engine.scheduler import ScheduledChunk, Scheduler
 from inference_service.engine.sequence import Sequence, Status
-from inference_service.engine.slots import SlotPool
 from inference_service.engine.streams import Streams
 from inference_service.engine.tokenizer import Tokenizer
 from shared.errors import FailedPrecondition, LoramuxError, NotFound, Unavailable, brief
@@ -66,8 +66,10 @@ class Engine:
         self._wakeup = threading.Event()  # set when a step has something new: a submit, a load
         pinned = self.runner.device.type == "cuda"
         self.host = HostTier(config.max_cpu_loras, self.loader, pinned, self._wakeup.set)
-        self.slots = SlotPool(config.max_loras)
-        self.scheduler = Scheduler(config, BlockAllocator(self.runner.num_blocks), self.slots, self.host)
+        self.memory = AdapterMemory(
+            self.runner.lora_units, page_units(model), unit_bytes(model, config.torch_dtype)
+        )
+        self.scheduler = Scheduler(config, BlockAllocator(self.runner.num_blocks), self.memory, self.host)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
         self.streams = Streams(self.tokenizer, eos)
         self.metrics = EngineMetrics()
@@ -129,7 +131,7 @@ class Engine:
     def _location(self, digest: str | None) -> str:
         if digest is None:
             return "loading"
-        return "device" if self.slots.resident(digest) is not None else "host"
+        return "device" if self.memory.resident(digest) is not None else "host"
 
     def _require_adapter(self, name: str) -> None:
         if name not in self.loader:
@@ -211,7 +213,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of every counter and gauge, for export."""
         with self._lock:
-            return self.metrics.snapshot(self.host.stats(), self.slots.stats(), self.scheduler.stats())
+            return self.metrics.snapshot(self.host.stats(), self.memory.stats(), self.scheduler.stats())
 
     @property
     def model_config(self) -> ModelConfig:
@@ -248,7 +250,7 @@ class Engine:
         for slot, ready in schedule.activations:
             self._activate(slot, ready)
         chunks = [c for c in schedule.chunks if c.seq.status is Status.RUNNING]
-        chunks.sort(key=lambda c: c.seq.slot)  # grouped by slot for LoRA
+        chunks.sort(key=lambda c: c.seq.slot)  # grouped by adapter for LoRA
         if chunks:
             self._run(chunks)
         return True
@@ -266,16 +268,17 @@ class Engine:
                 self._finish(seq, reason)
 
     def _activate(self, slot: int, ready: ReadyAdapter) -> None:
-        """Copy an adapter into its slot. Weights the slot cannot take fail only the requests for
-        that adapter; it leaves the slot and the host tier (a later request loads it anew)."""
+        """Copy an adapter into its pages of adapter memory. Weights the memory cannot take fail
+        only the requests for that adapter; it leaves the memory and the host tier (a later
+        request loads it anew)."""
         try:
-            self.runner.load_slot(slot, ready.weights)
+            self.runner.load_slot(slot, ready.weights, self.memory.pages(slot))
         except Exception as e:
-            log.exception("adapter %r cannot be loaded into device slot %d", ready.name, slot)
-            reason = f"adapter {ready.name!r} cannot be loaded into a device slot: {brief(e)}"
+            log.exception("adapter %r cannot be loaded into adapter memory", ready.name)
+            reason = f"adapter {ready.name!r} cannot be loaded into device memory: {brief(e)}"
             self._fail_adapter(ready.name, FailedPrecondition(reason), slot)
             self.runner.clear_slot(slot)
-            self.slots.vacate(slot)
+            self.memory.vacate(slot)
             self.host.remove(ready.name)
 
     def _collect_loads(self) -> None:

@@ -5,9 +5,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from inference_service.adapters.host_tier import HostTierStats
+from inference_service.engine.adapter_memory import SlotStats
 from inference_service.engine.scheduler import SchedulerStats
 from inference_service.engine.sequence import Sequence
-from inference_service.engine.slots import SlotStats
 
 LOAD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

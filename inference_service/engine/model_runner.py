@@ -1,10 +1,16 @@
-"""ModelRunner: the model, its KV cache and its adapter slots on one device; runs one
+"""ModelRunner: the model, its KV cache and its adapter memory on one device; runs one
 flattened batch per call and samples from it."""
 
 from dataclasses import dataclass
 
 import torch
 
+from inference_service.engine.adapter_memory import (
+    adapter_memory_units,
+    page_units,
+    target_ranks,
+    unit_elements,
+)
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
@@ -15,7 +21,8 @@ from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel
 from inference_service.model.weights import load_weights
-from shared.model_config import PACKED_MODULES, ModelConfig
+from kernels.lora_batch import PAGE_RANK, AdapterPages, page_views
+from shared.model_config import LORA_TARGETS, ModelConfig
 from shared.peft_checkpoint import AdapterWeights
 
 
@@ -32,8 +39,11 @@ class ModelRunner:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.device = torch.device(config.device)
+        self.lora_unit = unit_elements(self.model_config)
+        self.lora_units = adapter_memory_units(config, self.model_config)
+        self._page_units = page_units(self.model_config)
         self.model = LlamaModel(
-            self.model_config, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device
+            self.model_config, self.lora_units, self.lora_unit, config.torch_dtype, self.device
         )
         load_weights(self.model, config.model)
         self.num_blocks = -(-config.kv_cache_tokens // config.block_size)  # blocks sequences may hold
@@ -46,8 +56,7 @@ class ModelRunner:
             config.torch_dtype,
             self.device,
         )
-        self._linears = self.model.lora_linears()
-        self._slot_ranks = [0] * config.max_loras  # rank of the adapter in each slot
+        self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
@@ -61,6 +70,8 @@ class ModelRunner:
             self.config.block_size,
             self.num_blocks,  # the scratch block
             self.model_config.sliding_window,
+            len(LORA_TARGETS),
+            -(-self.config.max_lora_rank // PAGE_RANK),
             self.device,
         )
 
@@ -72,7 +83,7 @@ class ModelRunner:
         attention multiplies masked positions by 0, and 0 x NaN is NaN."""
         inputs = [_input(c) for c in chunks]
         if self.graphs is not None and all(c.num_tokens == 1 for c in chunks):
-            logits = self.graphs.run(inputs, self._slot_ranks)  # [chunks, vocab]
+            logits = self.graphs.run(inputs, self._adapters)  # [chunks, vocab]
         else:
             logits = self.forward(inputs)  # [chunks, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()  # [chunks]
@@ -98,30 +109,50 @@ class ModelRunner:
             self.model_config.sliding_window,
             self.device,
             all_logits,
-            self._slot_ranks,
+            self._adapters,
             kernels,
         )
         return self.model(batch, self.cache)
 
     @torch.inference_mode()
-    def load_slot(self, slot: int, adapter: AdapterWeights) -> None:
-        """Copy an adapter into device slot `slot`; modules it does not target stay zero. The
-        slot is zeroed in one multi-tensor launch, not one per buffer; the copies are async from
-        the host tier's page-locked memory (one per module: its tensors are separate there)."""
-        self.clear_slot(slot)
-        self._slot_ranks[slot] = adapter.rank
+    def load_slot(self, slot: int, adapter: AdapterWeights, pages: tuple[tuple[int, ...], ...]) -> None:
+        """Copy an adapter into its pages of adapter memory (`pages`: per target, the first unit
+        of each page) and serve it as `slot`. Its pages are zeroed first in one multi-tensor
+        launch (rows past its rank, and layers it does not target, must read as zeros); the
+        copies are async from the host tier's page-locked memory, a page of a module each."""
+        _check_fits(adapter, self.model_config.num_layers, self.config.max_lora_rank)
+        pool, unit = self.model.lora_pool, self.lora_unit
+        page = [(u, self._page_units[t]) for t, units in enumerate(pages) for u in units]
+        layers = range(pool.shape[0])  # a view per layer: small enough for one thread each
+        torch._foreach_zero_([pool[layer, u * unit : (u + n) * unit] for layer in layers for u, n in page])
         targets, sources = [], []
         for (layer, module), weights in adapter.modules.items():
-            packed, slice_index = PACKED_MODULES[module]
-            linear = self._linears[(layer, packed)]
-            targets += linear.slice_views(slot, slice_index, weights.a.shape[0])
-            sources += [weights.a, weights.b_t]
+            t = LORA_TARGETS.index(module)
+            rank, in_features = weights.a.shape
+            a, b = page_views(pool[layer], unit, in_features, weights.b_t.shape[1])
+            for g, u in enumerate(pages[t][: -(-rank // PAGE_RANK)]):
+                ranks = slice(g * PAGE_RANK, min(rank, (g + 1) * PAGE_RANK))
+                n = ranks.stop - ranks.start
+                targets += [a[u, :n], b[u, :n]]
+                sources += [weights.a[ranks], weights.b_t[ranks]]
         torch._foreach_copy_(targets, sources, non_blocking=True)
+        self._adapters[slot] = AdapterPages(target_ranks(adapter), pages)
 
-    @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
-        self._slot_ranks[slot] = 0
-        torch._foreach_zero_([view for linear in self._linears.values() for view in linear.slot_views(slot)])
+        """`slot` serves no adapter any more (its pages go back to the adapter memory)."""
+        self._adapters.pop(slot, None)
+
+
+def _check_fits(adapter: AdapterWeights, num_layers: int, max_rank: int) -> None:
+    """Refuse weights the memory's layout cannot hold (a store that skipped its checks): a layer
+    the model lacks, or a rank past max_lora_rank (the step tables hold that many pages)."""
+    for (layer, module), weights in adapter.modules.items():
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layers.{layer}.{module}: the model has layers 0..{num_layers - 1}")
+        if weights.a.shape[0] > max_rank:
+            raise ValueError(
+                f"layers.{layer}.{module} has rank {weights.a.shape[0]}, above max_lora_rank {max_rank}"
+            )
 
 
 def _input(chunk: ScheduledChunk) -> SequenceInput:

@@ -2,7 +2,8 @@
 every Sequence from admission (add, schedule) through each step (postprocess) to finish.
 
 FCFS under max_num_seqs, max_num_batched_tokens and the KV cache, plus the LoRA rule: every
-running adapter holds a device slot, so at most max_loras distinct adapters share a step.
+running adapter is resident in adapter memory, so the adapters of a step are as many as fit in
+it (small ranks and few targets take little), not a fixed count.
 """
 
 from collections import deque
@@ -10,10 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inference_service.adapters.host_tier import HostTier, ReadyAdapter
+from inference_service.engine.adapter_memory import AdapterMemory, pages_needed
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.sequence import Sequence, Status
-from inference_service.engine.slots import SlotPool
 from shared.errors import InvalidArgument
 
 
@@ -41,7 +42,7 @@ class SchedulerStats:
 @dataclass(frozen=True)
 class Schedule:
     chunks: list[ScheduledChunk]
-    activations: list[tuple[int, ReadyAdapter]]  # (slot, adapter) to copy in before the step
+    activations: list[tuple[int, ReadyAdapter]]  # (adapter handle, adapter) to copy in before the step
 
 
 class Scheduler:
@@ -49,12 +50,12 @@ class Scheduler:
         self,
         config: EngineConfig,  # max_num_seqs, max_num_batched_tokens and block_size are read
         allocator: BlockAllocator,
-        slots: SlotPool,
+        memory: AdapterMemory,
         host: HostTier,
     ):
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.block_size = config.block_size
-        self.allocator, self.slots, self.host = allocator, slots, host
+        self.allocator, self.memory, self.host = allocator, memory, host
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}  # every sequence added and not finished
@@ -93,10 +94,12 @@ class Scheduler:
 
     def _admit(self, budget: int, chunks: list, activations: list) -> None:
         """Admit waiting sequences in arrival order. A sequence whose adapter is still loading is
-        skipped (nothing waits for a load). When the oldest admissible one finds no free slot,
-        the least recently acquired busy slot is drained: nobody new joins it, so it frees up
-        and that sequence gets it; later sequences on other slots keep being admitted."""
-        drain: int | None = None
+        skipped (nothing waits for a load). When the oldest admissible one does not fit in
+        adapter memory, the least recently acquired busy adapters that make room for it are
+        drained: nobody new joins them and no later sequence brings another adapter in, so
+        their memory frees up and that sequence gets it; later sequences on the other resident
+        adapters keep being admitted."""
+        draining: frozenset[int] | None = None  # set once the oldest admissible one waits for room
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
@@ -105,9 +108,15 @@ class Scheduler:
                 continue
             if self._blocks_for(seq) > self.allocator.num_free:
                 return  # strict FCFS on memory: smaller requests do not overtake a big one
-            if ready is not None and not self._slot_available(ready.digest, drain):
-                drain = self.slots.lru_busy_slot() if drain is None else drain
-                continue
+            if ready is not None:
+                resident = self.memory.resident(ready.digest)
+                if draining is not None and (resident is None or resident in draining):
+                    continue
+                if resident is None and not self.memory.can_acquire(
+                    ready.digest, pages_needed(ready.weights)
+                ):
+                    draining = self.memory.drain_for(pages_needed(ready.weights))
+                    continue
             n = min(len(seq.prompt_token_ids), budget)
             self._start(seq, ready, activations)
             chunks.append(ScheduledChunk(seq, n))
@@ -128,18 +137,14 @@ class Scheduler:
         """KV blocks for every position the sequence can reach, reserved at admission."""
         return -(-seq.max_len // self.block_size)
 
-    def _slot_available(self, digest: str, drain: int | None) -> bool:
-        resident = self.slots.resident(digest)
-        if resident is not None:
-            return resident != drain
-        return self.slots.can_acquire(digest, avoid=drain)
-
     def _start(self, seq: Sequence, ready: ReadyAdapter | None, activations: list) -> None:
         self.waiting.remove(seq)
         seq.block_table = self.allocator.allocate(self._blocks_for(seq))
         if ready is not None:
             self.host.release(seq.adapter)
-            seq.slot, activate = self.slots.acquire(ready.digest, self._waiting_digests())
+            seq.slot, activate = self.memory.acquire(
+                ready.digest, pages_needed(ready.weights), self._waiting_digests()
+            )
             if activate:
                 activations.append((seq.slot, ready))
         seq.status = Status.RUNNING
@@ -177,7 +182,7 @@ class Scheduler:
             self.running.remove(seq)
             self.allocator.free(seq.block_table)
             if seq.slot >= 0:
-                self.slots.release(seq.slot)
+                self.memory.release(seq.slot)
         else:
             self.waiting.remove(seq)
             if seq.adapter:

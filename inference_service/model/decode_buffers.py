@@ -8,6 +8,8 @@ step's sequences are padding: token 0 at position 0 of the scratch block, which 
 so their K/V writes and reads touch nobody's cache, and no LoRA tile names them.
 """
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,36 +17,37 @@ import torch
 
 from inference_service.model.attention import AttentionMetadata, KernelPath
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
-from kernels.lora_batch import FULL_RANK, TILE_ROWS, LoraBatch, SegmentTable
+from kernels.lora_batch import TILE_ROWS, AdapterPages, LoraBatch, SegmentTable
 
 SPARE_TILE_ROW = np.iinfo(np.int32).max  # a tile starting past every segment: the kernels skip it
-# the int32 fields, each [rows] but the block tables [rows, blocks per sequence]
-INT32_FIELDS = (
-    "contexts",
-    "tables",
-    "tokens",
-    "slots",
-    "starts",
-    "lengths",
-    "ranks",
-    "tile_segments",
-    "tile_rows",
-)
+# the int32 fields and their axes: a decode step has at most one segment and one tile per row
+INT32_FIELDS = {
+    "contexts": ("rows",),
+    "tables": ("rows", "blocks"),
+    "tokens": ("rows",),
+    "starts": ("rows",),
+    "lengths": ("rows",),
+    "ranks": ("targets", "rows"),
+    "pages": ("targets", "rows", "pages"),
+    "tile_segments": ("rows",),
+    "tile_rows": ("rows",),
+}
 
 
 @dataclass(frozen=True)
 class _Layout:
-    rows: int
-    blocks_per_seq: int
+    sizes: dict[str, int]  # axis name -> its length
+
+    def shape(self, field: str) -> tuple[int, ...]:
+        return tuple(self.sizes[axis] for axis in INT32_FIELDS[field])
 
     def size(self, field: str) -> int:
-        return self.rows * (self.blocks_per_seq if field == "tables" else 1)
+        return math.prod(self.shape(field))
 
     def views(self, flat: torch.Tensor | np.ndarray) -> dict:
         out, start = {}, 0
         for field in INT32_FIELDS:
-            view = flat[start : start + self.size(field)]
-            out[field] = view.reshape(self.rows, self.blocks_per_seq) if field == "tables" else view
+            out[field] = flat[start : start + self.size(field)].reshape(self.shape(field))
             start += self.size(field)
         return out
 
@@ -57,30 +60,35 @@ class DecodeBuffers:
         block_size: int,
         scratch_block: int,
         sliding_window: int | None,
+        targets: int,
+        max_pages: int,
         device: torch.device,
     ):
+        """targets: LoRA targets of the adapter memory; max_pages: pages of the largest rank an
+        adapter may have on one target."""
         self.max_rows, self.block_size, self.scratch_block = max_rows, block_size, scratch_block
         self._window = sliding_window
-        self._layout = _Layout(max_rows, blocks_per_seq)
+        self._layout = _Layout(dict(rows=max_rows, blocks=blocks_per_seq, targets=targets, pages=max_pages))
         pinned = device.type == "cuda"
         size32 = sum(self._layout.size(f) for f in INT32_FIELDS)
-        # token ids, positions, cache slots, adapter slots
-        self._i64 = torch.zeros(4, max_rows, dtype=torch.int64, device=device)
+        # token ids, positions, cache slots
+        self._i64 = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
         self._i32 = torch.zeros(size32, dtype=torch.int32, device=device)
-        self._i64_host = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=pinned)
+        self._i64_host = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned)
         self._i32_host = torch.zeros(size32, dtype=torch.int32, pin_memory=pinned)
         self._fields = self._layout.views(self._i32)
         self._host_fields = self._layout.views(self._i32_host.numpy())
         self._arange = torch.arange(max_rows, device=device)  # decode rows, logit rows
         self._empty = torch.zeros(0, dtype=torch.int32, device=device)
 
-    def fill(self, seqs: list[SequenceInput], slot_ranks: list[int]) -> None:
-        """Write one decode step (one new token per sequence) into the buffers."""
+    def fill(self, seqs: list[SequenceInput], adapters: Mapping[int, AdapterPages]) -> None:
+        """Write one decode step (one new token per sequence) into the buffers; adapters[s]:
+        where the adapter of handle s lies in adapter memory (every handle the sequences use)."""
         assert len(seqs) <= self.max_rows and all(len(s.token_ids) == 1 for s in seqs)
-        ids, positions, cache_slots, token_slots = self._i64_host.numpy()
+        ids, positions, cache_slots = self._i64_host.numpy()
         f = self._host_fields
         scratch = self.scratch_block * self.block_size
-        ids[:], positions[:], cache_slots[:], token_slots[:] = 0, 0, scratch, -1
+        ids[:], positions[:], cache_slots[:] = 0, 0, scratch
         f["contexts"][:], f["tables"][:] = 1, self.scratch_block
         for i, s in enumerate(seqs):
             ids[i], positions[i], f["contexts"][i] = s.token_ids[0], s.cached, s.cached + 1
@@ -88,13 +96,13 @@ class DecodeBuffers:
                 s.block_table[s.cached // self.block_size] * self.block_size + s.cached % self.block_size
             )
             f["tables"][i, : len(s.block_table)] = s.block_table
-            token_slots[i] = s.slot
-        self._fill_lora([s.slot for s in seqs], slot_ranks)
+        self._fill_lora([s.slot for s in seqs], adapters)
         self._i64.copy_(self._i64_host, non_blocking=True)
         self._i32.copy_(self._i32_host, non_blocking=True)
 
-    def _fill_lora(self, token_slots: list[int], slot_ranks: list[int]) -> None:
-        """Segments of the rows grouped by adapter slot, and their tiles; spare tiles are skipped."""
+    def _fill_lora(self, token_slots: list[int], adapters: Mapping[int, AdapterPages]) -> None:
+        """Segments of the rows grouped by adapter, their ranks and pages, and their tiles;
+        spare tiles are skipped."""
         f = self._host_fields
         order = sorted((i for i, slot in enumerate(token_slots) if slot >= 0), key=token_slots.__getitem__)
         f["tokens"][: len(order)] = order
@@ -105,16 +113,26 @@ class DecodeBuffers:
             end = start
             while end < len(order) and token_slots[order[end]] == slot:
                 end += 1
-            f["slots"][segment], f["starts"][segment], f["lengths"][segment] = slot, start, end - start
-            f["ranks"][segment] = slot_ranks[slot] if slot_ranks else FULL_RANK
+            f["starts"][segment], f["lengths"][segment] = start, end - start
+            self._fill_pages(segment, adapters[slot])
             for row in range(0, end - start, TILE_ROWS):
                 f["tile_segments"][tile], f["tile_rows"][tile] = segment, row
                 tile += 1
             segment, start = segment + 1, end
 
+    def _fill_pages(self, segment: int, adapter: AdapterPages) -> None:
+        """The segment's rank and pages on every target; lanes past its pages name unit 0 (the
+        kernels never read a lane past the segment's rank)."""
+        ranks, pages = self._host_fields["ranks"], self._host_fields["pages"]
+        assert len(adapter.ranks) == ranks.shape[0]
+        ranks[:, segment], pages[:, segment] = adapter.ranks, 0
+        for t, units in enumerate(adapter.pages):
+            assert len(units) <= pages.shape[2], "an adapter past the buffers' max_pages"
+            pages[t, segment, : len(units)] = units
+
     def batch(self, rows: int) -> ForwardBatch:
         """The ForwardBatch over the first `rows` rows: views, so every later fill shows in it."""
-        v = {name: t[:rows] for name, t in self._fields.items()}
+        v = {name: t.narrow(INT32_FIELDS[name].index("rows"), 0, rows) for name, t in self._fields.items()}
         attention = AttentionMetadata(
             positions=self._i64[1, :rows],
             cache_slots=self._i64[2, :rows],
@@ -132,14 +150,14 @@ class DecodeBuffers:
         )
         # At most one tile per row: the grid every LoRA kernel launches with, whatever the step.
         table = SegmentTable(
-            v["tokens"],
-            v["slots"],
-            v["starts"],
-            v["lengths"],
-            v["ranks"],
-            v["tile_segments"],
-            v["tile_rows"],
-            rows,
+            tokens=v["tokens"],
+            starts=v["starts"],
+            lengths=v["lengths"],
+            ranks=v["ranks"],
+            pages=v["pages"],
+            tile_segments=v["tile_segments"],
+            tile_rows=v["tile_rows"],
+            num_tiles=rows,
         )
-        lora = LoraBatch(self._i64[3, :rows], None, (), None, table)
+        lora = LoraBatch(rows=None, table=table)
         return ForwardBatch(self._i64[0, :rows], attention.positions, attention, lora, self._arange[:rows])

@@ -1,18 +1,19 @@
 """The flattened token batch of one step, with all per-step metadata built once."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from inference_service.model.attention import AttentionMetadata, SequenceChunk
-from kernels.lora_batch import LoraBatch
+from kernels.lora_batch import AdapterPages, LoraBatch
 
 
 @dataclass(frozen=True)
 class SequenceInput:
     """One sequence's part of a step: its new tokens, how many it already has in the KV cache,
-    the cache blocks that hold (and will hold) its positions, and the adapter slot its tokens
-    use (-1 = base model)."""
+    the cache blocks that hold (and will hold) its positions, and the resident adapter its
+    tokens use (a handle of the adapter memory; -1 = base model)."""
 
     token_ids: list[int]
     cached: int
@@ -36,11 +37,12 @@ class ForwardBatch:
         sliding_window: int | None,
         device: torch.device | str,
         all_logits: bool = False,
-        slot_ranks: list[int] | None = None,
+        adapters: Mapping[int, AdapterPages] | None = None,
         kernels: bool | None = None,
     ) -> "ForwardBatch":
-        """slot_ranks[s]: the rank of the adapter in slot s, so kernels skip padded ranks.
-        kernels: attention and LoRA take the Triton kernels' path (default: on CUDA)."""
+        """adapters[s]: where the adapter of handle s lies in adapter memory (every handle the
+        sequences use). kernels: attention and LoRA take the Triton kernels' path (default: on
+        CUDA)."""
         chunks, token_ids, slots, start = [], [], [], 0
         for s in seqs:
             chunks.append(SequenceChunk(s.block_table, s.cached, len(s.token_ids), start))
@@ -53,9 +55,7 @@ class ForwardBatch:
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=attention.positions,
             attention=attention,
-            lora=LoraBatch.build(slots, device, slot_ranks=slot_ranks, kernels=kernels)
-            if any(s >= 0 for s in slots)
-            else None,
+            lora=LoraBatch.build(slots, adapters, device, kernels) if any(s >= 0 for s in slots) else None,
             logit_rows=torch.arange(start, device=device)
             if all_logits
             else torch.tensor(last_rows, dtype=torch.int64, device=device),

@@ -1,27 +1,23 @@
-"""A base linear layer with N packed output slices and slot-stacked LoRA adapters on top."""
+"""A base linear layer with N packed output slices and paged LoRA adapters on top."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.lora_batch import LoraBatch
-from kernels.lora_expand import expand_padded, lora_expand, lora_expand_triton
-from kernels.lora_shrink import lora_shrink, lora_shrink_triton, shrink_padded
+from kernels.lora_bmm import lora_bmm
+from kernels.lora_expand import lora_expand_triton
+from kernels.lora_shrink import lora_shrink_triton
 
 
 class LoRALinear(nn.Module):
-    """y = x W^T + b, plus for each token B[slot] (A[slot] x) of its adapter slot, per slice.
+    """y = x W^T + b, plus for each token and each slice s the product B_s A_s x of its adapter.
 
-    q/k/v (3 slices) and gate/up (2 slices) run as one base matmul; the LoRA buffers keep the
-    slices apart because an adapter may target some of them only. Layout:
-    A:   [max_loras, max_rank, slices, in]   one shrink matmul per slot covers every slice, and
-                                             a slot's first r ranks of every slice are one
-                                             contiguous block, so an adapter of rank r reads
-                                             only that, whatever max_rank is;
-    B_s: [max_loras, max_rank, out_s]        one per slice, so uneven slices (q vs k/v under
-                                             GQA) need no padding; transposed, so a decode
-                                             step streams each slot's B row by row.
-    Scaling is merged into B when an adapter is loaded.
+    q/k/v (3 slices) and gate/up (2 slices) run as one base matmul; the adapters keep the slices
+    apart, as targets first_target, first_target+1, ..., because an adapter may target some of
+    them only. Adapter weights live in pages of the layer's adapter memory `pool` [units*unit]
+    (kernels/lora_batch.py gives the layout), shared by every LoRALinear of the layer; scaling
+    is merged into B when an adapter is loaded.
     """
 
     def __init__(
@@ -29,8 +25,7 @@ class LoRALinear(nn.Module):
         in_features: int,
         slice_sizes: tuple[int, ...],
         bias: bool,
-        max_loras: int,
-        max_rank: int,
+        memory: tuple[torch.Tensor, int, int],  # (the layer's pool, unit, first_target)
         dtype: torch.dtype,
         device: torch.device | str,
     ):
@@ -44,37 +39,28 @@ class LoRALinear(nn.Module):
             if bias
             else None
         )
+        self.slice_sizes = slice_sizes
         self.slices = _slice_offsets(slice_sizes)  # (offset, size) of each slice in `out`
-        slots = (max_loras, max_rank, len(slice_sizes))
-        self.register_buffer("lora_a", torch.zeros(*slots, in_features, dtype=dtype, device=device))
-        for s, size in enumerate(slice_sizes):
-            b = torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device)
-            self.register_buffer(f"lora_b{s}", b)
-        self.lora_b = tuple(getattr(self, f"lora_b{s}") for s in range(len(slice_sizes)))
+        self.pool, self.unit, self.first_target = memory  # the pool is the model's: not a buffer here
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [tokens, out]
         if lora is None:
             return y
         if lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing
-            partials = lora_shrink_triton(x, self.lora_a, lora)  # [splits, tokens, slices, rank] fp32
-            return lora_expand_triton(y, partials, self.lora_b, lora)
-        if not lora.segments:
+            slices = len(self.slices)
+            partials = lora_shrink_triton(x, self.pool, lora.table, self.first_target, slices, self.unit)
+            return lora_expand_triton(
+                y, partials, self.pool, lora.table, self.first_target, self.slice_sizes, x.shape[1], self.unit
+            )
+        rows = lora.rows[self.first_target : self.first_target + len(self.slices)] if lora.rows else ()
+        if not any(rows):
             return y
-        if lora.padded is not None:  # decode steps on the CPU: stay in the padded layout in between
-            padded = shrink_padded(x, self.lora_a, lora.padded)  # [slots, rank*slices, rows]
-            return expand_padded(y, padded, self.lora_b, lora.padded)
-        buf = lora_shrink(x, self.lora_a, lora)  # [tokens, slices, rank]
-        return lora_expand(y, buf, self.lora_b, lora)
-
-    def slice_views(self, slot: int, slice_index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where one adapter's A [rank, in] and scaled B^T [rank, slice_out] for one slice go;
-        ranks from `rank` to max_rank stay zero."""
-        return self.lora_a[slot, :rank, slice_index], self.lora_b[slice_index][slot, :rank]
-
-    def slot_views(self, slot: int) -> list[torch.Tensor]:
-        """Every buffer region of one slot, A and each slice's B."""
-        return [self.lora_a[slot], *(b[slot] for b in self.lora_b)]
+        x_padded = F.pad(x, (0, 0, 0, 1))  # [tokens + 1, in]: padding rows read the zero row
+        for (offset, size), target_rows in zip(self.slices, rows, strict=True):
+            if target_rows is not None:
+                lora_bmm(y[:, offset : offset + size], x_padded, self.pool, self.unit, target_rows)
+        return y
 
 
 def _slice_offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

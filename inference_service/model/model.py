@@ -9,7 +9,7 @@ from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.lora_linear import LoRALinear
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, first_target
 
 
 class RMSNorm(nn.Module):
@@ -26,14 +26,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, lora_dims: tuple[int, int], dtype, device):
+    def __init__(self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         kv = cfg.kv_size
         self.qkv_proj = LoRALinear(
-            cfg.hidden_size, (cfg.q_size, kv, kv), cfg.qkv_bias, *lora_dims, dtype, device
+            cfg.hidden_size,
+            (cfg.q_size, kv, kv),
+            cfg.qkv_bias,
+            (pool, unit, first_target("qkv_proj")),
+            dtype,
+            device,
         )
-        self.o_proj = LoRALinear(cfg.q_size, (cfg.hidden_size,), cfg.o_bias, *lora_dims, dtype, device)
+        self.o_proj = LoRALinear(
+            cfg.q_size, (cfg.hidden_size,), cfg.o_bias, (pool, unit, first_target("o_proj")), dtype, device
+        )
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
@@ -47,13 +54,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora_dims: tuple[int, int], dtype, device):
+    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, dtype, device):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = LoRALinear(
-            cfg.hidden_size, (inter, inter), cfg.mlp_bias, *lora_dims, dtype, device
+            cfg.hidden_size,
+            (inter, inter),
+            cfg.mlp_bias,
+            (pool, unit, first_target("gate_up_proj")),
+            dtype,
+            device,
         )
-        self.down_proj = LoRALinear(inter, (cfg.hidden_size,), cfg.mlp_bias, *lora_dims, dtype, device)
+        self.down_proj = LoRALinear(
+            inter, (cfg.hidden_size,), cfg.mlp_bias, (pool, unit, first_target("down_proj")), dtype, device
+        )
 
     def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)  # [tokens, inter] each
@@ -61,12 +75,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, lora_dims: tuple[int, int], dtype, device):
+    def __init__(self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, layer, lora_dims, dtype, device)
+        self.self_attn = Attention(cfg, layer, pool, unit, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, lora_dims, dtype, device)
+        self.mlp = MLP(cfg, pool, unit, dtype, device)
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
@@ -74,23 +88,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Weights are allocated empty; `inference_service.model.weights.load_weights` fills them."""
+    """Weights are allocated empty; `inference_service.model.weights.load_weights` fills them.
+    Adapter memory is `lora_units` units of `lora_unit` elements in every layer (zeros; the
+    engine copies adapters in): lora_pool [layers, units*unit]."""
 
     def __init__(
         self,
         cfg: ModelConfig,
-        max_loras: int,
-        max_lora_rank: int,
+        lora_units: int,
+        lora_unit: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ):
         super().__init__()
         self.cfg = cfg
-        lora_dims = (max_loras, max_lora_rank)
+        self.register_buffer(
+            "lora_pool",
+            torch.zeros(cfg.num_layers, lora_units * lora_unit, dtype=dtype, device=device),
+            persistent=False,
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, lora_dims, dtype, device) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, self.lora_pool[i], lora_unit, dtype, device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (

@@ -131,6 +131,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
         max_cpu_loras=config.max_cpu_loras,
+        adapter_memory_bytes=engine.memory.stats().bytes_total,
         eos_token_ids=tokenizer.eos_token_ids if tokenizer else model.eos_token_ids,
         has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
     )
@@ -167,4 +168,6 @@ def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
         ),
         host_request_hits=host.request_hits,
         host_request_misses=host.request_misses,
+        adapter_memory_used_bytes=slots.bytes_used,
+        adapter_memory_total_bytes=slots.bytes_total,
     )

@@ -2,7 +2,8 @@
 WorkerConfig, then serve.
 
 python -m inference_service --listen HOST:PORT --store HOST:PORT --model DIR [--device cpu|cuda]
-[--dtype float32|bfloat16|float16] [--max-loras N] [--max-lora-rank R] [--max-cpu-loras M]"""
+[--dtype float32|bfloat16|float16] [--max-loras N] [--max-lora-rank R] [--adapter-memory BYTES]
+[--max-cpu-loras M]"""
 
 import argparse
 import logging
@@ -32,8 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="HF model folder (default: SmolLM2-135M-Instruct under $LORAMUX_CACHE)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--max-loras", type=int, default=4, help="device slots: distinct adapters per step")
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="the default --adapter-memory holds this many adapters of --max-lora-rank on every module",
+    )
     p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument(
+        "--adapter-memory",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="device memory for adapters, shared by all in pages of 8 rank rows (a rank-8 adapter on "
+        "q and v takes a small part of a rank-64 one on every module); 0: as --max-loras says",
+    )
     p.add_argument("--max-cpu-loras", type=int, default=8, help="adapters kept ready in host memory")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
@@ -83,6 +97,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         dtype=args.dtype,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        adapter_memory=args.adapter_memory,
         max_cpu_loras=args.max_cpu_loras,
         max_num_seqs=args.max_num_seqs,
         kv_cache_tokens=args.kv_cache_tokens,

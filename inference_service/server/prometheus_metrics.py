@@ -143,7 +143,7 @@ class EngineCollector(Collector):
         stats, config = self._engine.stats(), self._engine.config
         yield from _request_families(stats)
         yield from _scheduler_families(stats)
-        yield from _slot_families(stats, config.max_loras)
+        yield from _slot_families(stats)
         yield from _host_tier_families(stats, config.max_cpu_loras)
         yield _histogram(
             "loramux:adapter_load_seconds",
@@ -190,19 +190,24 @@ def _scheduler_families(stats: EngineStats) -> Iterator[Metric]:
     )
 
 
-def _slot_families(stats: EngineStats, max_loras: int) -> Iterator[Metric]:
+def _slot_families(stats: EngineStats) -> Iterator[Metric]:
     """Device adapter memory: every read of SlotStats is here, so a change of its fields is one
     change here."""
     slots = stats.slots
     yield GaugeMetricFamily(
-        "loramux:adapter_slots_active", "Device slots in use by running requests", slots.active
+        "loramux:adapter_slots_active", "Adapters in device memory that running requests use", slots.active
     )
-    yield GaugeMetricFamily("loramux:adapter_slots_total", "Device slots (--max-loras)", max_loras)
-    yield CounterMetricFamily(
-        "loramux:adapter_slot_activations", "Adapters copied into a device slot", slots.activations
+    yield GaugeMetricFamily(
+        "loramux:adapter_memory_used_bytes", "Device adapter memory holding adapters", slots.bytes_used
+    )
+    yield GaugeMetricFamily(
+        "loramux:adapter_memory_total_bytes", "Device adapter memory (--adapter-memory)", slots.bytes_total
     )
     yield CounterMetricFamily(
-        "loramux:adapter_slot_evictions", "Activations that replaced another adapter", slots.evictions
+        "loramux:adapter_slot_activations", "Adapters copied into device memory", slots.activations
+    )
+    yield CounterMetricFamily(
+        "loramux:adapter_slot_evictions", "Adapters dropped from device memory for another", slots.evictions
     )
 
 

@@ -1,41 +1,43 @@
-from kernels.lora_batch import TILE_ROWS, LoraBatch
+from kernels.lora_batch import TILE_ROWS, AdapterPages, LoraBatch
+
+# three adapters on targets 0 and 1 of two targets: ranks 8 (1 page), 20 (3 pages), 0 on target 1
+ADAPTERS = {
+    0: AdapterPages((8, 8), ((10,), (50,))),
+    1: AdapterPages((20, 20), ((12, 30, 14), (52, 60, 56))),
+    2: AdapterPages((16, 0), ((40, 20), ())),
+}
 
 
-def test_batch_build_keeps_grouped_order_and_sorts_scattered():
-    grouped = LoraBatch.build([2, 2, -1, 0, 0, 0])
-    assert grouped.order is None
-    assert [(s.slot, s.start, s.end) for s in grouped.segments] == [(2, 0, 2), (0, 3, 6)]
-
-    scattered = LoraBatch.build([1, 0, 1, -1])
-    assert scattered.order.tolist() == [3, 1, 0, 2]
-    assert [(s.slot, s.start, s.end) for s in scattered.segments] == [(0, 1, 2), (1, 2, 4)]
-
-
-def test_padded_layout_maps_every_token_to_its_slot_rows():
-    batch = LoraBatch.build([2, 2, -1, 0, 3, 3, 3], max_pad_factor=4)
-    layout = batch.padded
-    assert (layout.first_slot, layout.num_slots, layout.rows) == (0, 4, 3)
-    gather = layout.gather.tolist()
-    for token, slot in enumerate([2, 2, -1, 0, 3, 3, 3]):
-        row = layout.scatter[token].item()
-        if slot < 0:
-            assert row == layout.num_slots * layout.rows
+def test_page_rows_give_every_token_each_page_of_its_adapter_once():
+    slots = [1, 0, -1, 1, 1, 2, 1, 1]  # adapter 1 has 5 tokens, the others 1: chunks of 3 rows
+    batch = LoraBatch.build(slots, ADAPTERS)
+    rows = batch.rows[0]
+    assert rows.rows == 3  # ceil(7 tokens / 3 adapters)
+    got: dict[int, list[int]] = {}
+    units, gather, scatter = rows.units.tolist(), rows.gather.tolist(), rows.scatter.tolist()
+    for i, (token, target) in enumerate(zip(gather, scatter, strict=True)):
+        page = units[i // rows.rows]
+        if token == len(slots):  # padding: the zero row, added to a token of the same adapter
+            assert page in ADAPTERS[slots[target]].pages[0]
         else:
-            assert row // layout.rows == slot and gather[row] == token
+            assert token == target
+            got.setdefault(token, []).append(page)
+    expected = {t: sorted(ADAPTERS[s].pages[0]) for t, s in enumerate(slots) if s >= 0}
+    assert {t: sorted(p) for t, p in got.items()} == expected
+    assert len(gather) <= 2 * sum(len(p) for p in expected.values())  # padding stays under 2x
 
 
-def test_decode_steps_pad_and_a_long_prefill_beside_decodes_loops_over_slots():
-    decode = [i % 8 for i in range(32)]
-    assert LoraBatch.build(decode).padded is not None
-    prefill_and_decodes = [0] * 200 + list(range(1, 8))
-    assert LoraBatch.build(prefill_and_decodes).padded is None
+def test_a_target_no_adapter_of_the_step_has_costs_nothing():
+    batch = LoraBatch.build([2, -1, 2], ADAPTERS)
+    assert batch.rows[0] is not None and batch.rows[1] is None
+    assert LoraBatch.build([-1, -1], ADAPTERS).rows == (None, None)
 
 
 def test_kernel_tiles_cover_every_lora_token_once_and_no_tile_is_empty():
-    # a 40-token prefill on slot 0, three decodes on slots 1-3, base-model tokens between
-    slots = [0] * 40 + [-1, 1, 2, -1, 3]
-    table = LoraBatch.build(slots, kernels=True).table
-    assert table.num_tiles == 3 + 3  # 40 rows in tiles of 16, 16, 8; one tile per decode
+    # a 40-token prefill on adapter 0, three decodes on adapters 1, 2 and 1, base-model tokens between
+    slots = [0] * 40 + [-1, 1, 2, -1, 1]
+    table = LoraBatch.build(slots, ADAPTERS, kernels=True).table
+    assert table.num_tiles == 3 + 2  # 40 rows in tiles of 16, 16, 8; one tile per decode segment
     tokens, starts, lengths = table.tokens.tolist(), table.starts.tolist(), table.lengths.tolist()
     covered = []
     for segment, row in zip(table.tile_segments.tolist(), table.tile_rows.tolist(), strict=True):
@@ -43,3 +45,5 @@ def test_kernel_tiles_cover_every_lora_token_once_and_no_tile_is_empty():
         end = min(row + TILE_ROWS, lengths[segment])
         covered += tokens[starts[segment] + row : starts[segment] + end]
     assert sorted(covered) == [i for i, s in enumerate(slots) if s >= 0]
+    assert table.ranks.tolist() == [[8, 20, 16], [8, 20, 0]]
+    assert table.pages[0, 1].tolist() == [12, 30, 14] and table.max_rank == 24

@@ -43,7 +43,7 @@ def _tampered(tiny_models, tiny_adapters) -> dict[str, ReadyAdapter]:
     (layer, module), m = next(iter(good.modules.items()))
     rank32 = ModuleLora(torch.ones(32, m.a.shape[1]), torch.ones(32, m.b_t.shape[1]))
     return {
-        # rank-32 tensors in an adapter that declares rank 2, past the slots' max rank 16
+        # rank-32 tensors in an adapter that declares rank 2, past max_lora_rank 16
         "rank32": ReadyAdapter(
             "rank32", "sha256:" + "1" * 64, replace(good, rank=2, modules={(layer, module): rank32})
         ),
@@ -73,7 +73,7 @@ def _assert_idle(engine: Engine) -> None:
     assert stats.scheduler.kv_blocks_used == 0
 
 
-def test_an_adapter_the_slots_cannot_take_fails_only_its_requests(tiny_models, tiny_adapters):
+def test_an_adapter_device_memory_cannot_take_fails_only_its_requests(tiny_models, tiny_adapters):
     loader = TamperingLoader(
         ModelConfig.from_dir(tiny_models["llama"]), _tampered(tiny_models, tiny_adapters)
     )
@@ -92,11 +92,11 @@ def test_an_adapter_the_slots_cannot_take_fails_only_its_requests(tiny_models, t
     for request, out in zip(requests, outputs, strict=True):
         if request.adapter in loader.tampered:
             assert isinstance(out.error, FailedPrecondition), out
-            assert f"adapter {request.adapter!r} cannot be loaded into a device slot" in str(out.error)
+            assert f"adapter {request.adapter!r} cannot be loaded into device memory" in str(out.error)
             assert out.finish_reason == "error" and not out.token_ids
         else:
             assert out.error is None and out.token_ids == _alone(engine, request)
-    assert {s.name for s in engine.adapter_states()} <= {"all8", "qv4"}  # dropped from slots and host
+    assert {s.name for s in engine.adapter_states()} <= {"all8", "qv4"}  # dropped from device and host memory
     again = engine.generate(_requests([("all8", [9, 10], 7), ("qv4", [14, 15, 16, 17], 6)]))
     assert [o.token_ids for o in again] == [outputs[1].token_ids, outputs[3].token_ids]
     _assert_idle(engine)

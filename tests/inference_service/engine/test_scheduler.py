@@ -6,7 +6,7 @@ bound. A workload over adapter popularity (distinct, uniform, skewed, identical,
 kernel tests) checks every invariant after every step.
 
 Issue 17 moves the scheduler into engine/ and makes it the sole owner of Sequence; these tests,
-written on the code before the move, guard it. No engine, no model: a real SlotPool and
+written on the code before the move, guard it. No engine, no model: a real AdapterMemory and
 BlockAllocator, a fake host tier, and `Rig.run` doing the engine's part of a step as
 Engine._step_locked, _emit and _finish do.
 """
@@ -16,18 +16,25 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from inference_service.adapters.host_tier import ReadyAdapter
+from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.scheduler import Schedule, Scheduler
 from inference_service.engine.sequence import Sequence, Status
-from inference_service.engine.slots import SlotPool
 from inference_service.sampling import SamplingParams
-from shared.peft_checkpoint import AdapterWeights
+from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 BLOCK_SIZE = 4
-NO_WEIGHTS = AdapterWeights(rank=8, alpha=16.0, target_modules=(), modules={})  # only .digest is read
+PAGE_UNITS = (1,) * 7  # a unit per page of every target: memory of N units holds N one-page adapters
+
+
+def _weights(rank: int) -> AdapterWeights:
+    """Weights the scheduler sizes only: rank `rank` on q_proj, ceil(rank / 8) pages."""
+    module = ModuleLora(torch.zeros(rank, 1), torch.zeros(rank, 1))
+    return AdapterWeights(rank=rank, alpha=16.0, target_modules=("q_proj",), modules={(0, "q_proj"): module})
 
 
 class FakeHost:
@@ -35,8 +42,9 @@ class FakeHost:
     loads. A name not ready starts loading when first asked and lands `load_steps` collects
     later (None: only when the test calls install)."""
 
-    def __init__(self, ready: tuple[str, ...], load_steps: int | None):
-        self._ready = {name: ReadyAdapter(name, f"digest-{name}", NO_WEIGHTS) for name in ready}
+    def __init__(self, ready: tuple[str, ...], load_steps: int | None, ranks: dict[str, int]):
+        self.ranks = ranks  # adapter name -> its rank on q_proj (default 8: one page)
+        self._ready = {name: ReadyAdapter(name, f"digest-{name}", self._weights(name)) for name in ready}
         self._loading: dict[str, int | None] = {}
         self.load_steps = load_steps
         self.held: Counter[str] = Counter()  # name -> waiting requests that use it
@@ -67,7 +75,10 @@ class FakeHost:
     def install(self, name: str, digest: str | None = None) -> None:
         """The load lands; a new digest is the name re-registered with new weights."""
         self._loading.pop(name, None)
-        self._ready[name] = ReadyAdapter(name, digest or f"digest-{name}", NO_WEIGHTS)
+        self._ready[name] = ReadyAdapter(name, digest or f"digest-{name}", self._weights(name))
+
+    def _weights(self, name: str) -> AdapterWeights:
+        return _weights(self.ranks.get(name, 8))
 
     def digest(self, name: str) -> str:
         return self._ready[name].digest
@@ -79,7 +90,7 @@ class FakeHost:
 @dataclass
 class Rig:
     scheduler: Scheduler
-    slots: SlotPool
+    slots: AdapterMemory
     blocks: BlockAllocator
     host: FakeHost
 
@@ -125,9 +136,12 @@ def _rig(
     num_blocks: int = 64,
     ready: tuple[str, ...] = (),
     load_steps: int | None = None,
+    ranks: dict[str, int] | None = None,
 ) -> Rig:
-    slots, blocks = SlotPool(max_loras), BlockAllocator(num_blocks)
-    host = FakeHost(ready, load_steps)
+    """max_loras: units of adapter memory, so max_loras adapters of rank 8 fit (`ranks` sets an
+    adapter's rank: rank 16 takes two units)."""
+    slots, blocks = AdapterMemory(max_loras, PAGE_UNITS), BlockAllocator(num_blocks)
+    host = FakeHost(ready, load_steps, ranks or {})
     config = EngineConfig(
         "unused: the scheduler reads only its limits",
         max_num_seqs=max_num_seqs,
@@ -324,6 +338,37 @@ def test_a_waiting_adapter_is_admitted_within_a_bound_despite_a_steady_stream():
     assert admitted is not None and admitted - C_ARRIVES <= STARVATION_BOUND
     rig.drain()
     assert rig.blocks.num_free == 64 and rig.slots.active == 0
+
+
+def test_an_adapter_bigger_than_any_busy_one_is_admitted_within_the_bound():
+    """Memory of 4 units, `a` and `b` at rank 16 take 2 each and stay busy with a steady stream;
+    `c` at rank 32 needs all 4. Both busy adapters drain (nobody joins either), and `c` runs
+    within the bound; draining one at a time would leave `c` waiting as long as the stream."""
+    rig = _rig(max_loras=4, ready=("a", "b", "c"), ranks={"a": 16, "b": 16, "c": 32})
+    admitted = None
+    for step in range(STREAM_STEPS):
+        if step == C_ARRIVES:
+            rig.add("c", 4, STREAM_MAX_TOKENS, "c")
+        rig.add(f"a{step}", 4, STREAM_MAX_TOKENS, "a")
+        rig.add(f"b{step}", 4, STREAM_MAX_TOKENS, "b")
+        if "c" in {name for name, _ in _chunks(rig.step())} and admitted is None:
+            admitted = step
+    assert admitted is not None and admitted - C_ARRIVES <= STARVATION_BOUND + 1
+    rig.drain()
+    assert rig.slots.active == 0
+
+
+def test_small_adapters_share_a_step_in_the_memory_of_few_big_ones():
+    """The adapters of a step are as many as fit: 4 units hold 4 rank-8 adapters or 1 rank-32."""
+    rig = _rig(max_loras=4, ready=("a", "b", "c", "d", "big"), ranks={"big": 32})
+    for name in ("a", "b", "c", "d"):
+        rig.add(name, 4, 8, name)
+    assert {name for name, _ in _chunks(rig.step())} == {"a", "b", "c", "d"}
+    rig.add("big", 4, 8, "big")
+    rig.step()
+    assert rig.scheduler.get("big").status is Status.WAITING  # no room until they finish
+    rig.drain()
+    assert rig.slots.activations == 5
 
 
 # --- a workload over adapter popularity ---------------------------------------------------------

@@ -4,6 +4,7 @@ PEFT's (`adapter_names=`) within 1e-4 in fp32, for prefill and for decode steps.
 import pytest
 import torch
 
+from inference_service.engine.adapter_memory import AdapterMemory, page_units, pages_needed
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
@@ -52,7 +53,10 @@ def _peft_logits(model, sequences: list[list[int]], adapters: list[str | None]) 
     return [logits[i, : len(s)] for i, s in enumerate(sequences)]
 
 
-def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int]]:
+def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int], AdapterMemory]:
+    """Every adapter loaded into pages of adapter memory, placed by AdapterMemory as the engine
+    places them: a memory filled by the first ones' pages and freed in between, so later
+    adapters' pages land out of order and apart."""
     runner = ModelRunner(
         EngineConfig(
             model=str(model_dir),
@@ -62,11 +66,16 @@ def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int]]:
             block_size=4,
         )
     )
+    memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
     slots = {}
-    for slot, (name, path) in enumerate(adapter_dirs.items()):
-        runner.load_slot(slot, load_peft_adapter(name, path, runner.model_config, 16, torch.float32))
-        slots[name] = slot
-    return runner, slots
+    for name, path in adapter_dirs.items():
+        weights = load_peft_adapter(name, path, runner.model_config, 16, torch.float32)
+        filler, _ = memory.acquire(f"filler-{name}", (1,) * 7)  # a gap before the adapter's next page
+        slots[name], _ = memory.acquire(name, pages_needed(weights))
+        runner.load_slot(slots[name], weights, memory.pages(slots[name]))
+        memory.release(filler)
+        memory.vacate(filler)
+    return runner, slots, memory
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
@@ -76,7 +85,7 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, ti
     here, compiled on a GPU)."""
     adapter_dirs = tiny_adapters[model_type]
     reference = _peft_model(tiny_models[model_type], adapter_dirs)
-    runner, slots = _runner(tiny_models[model_type], adapter_dirs)
+    runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
     allocator = BlockAllocator(runner.num_blocks)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
@@ -106,7 +115,7 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, ti
 
 def test_chunked_prefill_equals_one_shot_prefill(tiny_models, tiny_adapters):
     """A prompt fed in three chunks (steps) gives the logits the whole prompt gives."""
-    runner, slots = _runner(tiny_models["mistral"], tiny_adapters["mistral"])
+    runner, slots, _ = _runner(tiny_models["mistral"], tiny_adapters["mistral"])
     allocator = BlockAllocator(runner.num_blocks)
     prompt = list(range(10, 30))
     whole = runner.forward([SequenceInput(prompt, 0, allocator.allocate(5), slots["all8"])], all_logits=True)
@@ -118,9 +127,11 @@ def test_chunked_prefill_equals_one_shot_prefill(tiny_models, tiny_adapters):
     torch.testing.assert_close(torch.cat(parts), whole, atol=ATOL, rtol=0)
 
 
-def test_adapter_changes_logits_and_cleared_slot_is_base(tiny_models, tiny_adapters):
-    """Guards the reference test against a no-op LoRA path: adapters really move the logits."""
-    runner, slots = _runner(tiny_models["llama"], tiny_adapters["llama"])
+def test_adapter_changes_logits_and_reused_pages_keep_nothing_stale(tiny_models, tiny_adapters):
+    """Guards the reference test against a no-op LoRA path: adapters really move the logits. An
+    adapter copied into pages another one held (higher rank, more modules) gives exactly its own
+    logits: nothing of the old one is left."""
+    runner, slots, memory = _runner(tiny_models["llama"], tiny_adapters["llama"])
     allocator = BlockAllocator(runner.num_blocks)
     prompt = [5, 6, 7, 8]
 
@@ -130,5 +141,9 @@ def test_adapter_changes_logits_and_cleared_slot_is_base(tiny_models, tiny_adapt
     base = logits(-1)
     for name in TINY_ADAPTERS:
         assert (logits(slots[name]) - base).abs().max() > 1e-2, name
-    runner.clear_slot(slots["all8"])
-    torch.testing.assert_close(logits(slots["all8"]), base, atol=0, rtol=0)
+    qv4 = logits(slots["qv4"])
+    weights = load_peft_adapter("qv4", tiny_adapters["llama"]["qv4"], runner.model_config, 16, torch.float32)
+    all8 = memory.pages(slots["all8"])  # rank 8 on every module: one page of each
+    q_and_v = tuple(pages if t in (0, 2) else () for t, pages in enumerate(all8))
+    runner.load_slot(slots["all8"], weights, q_and_v)
+    torch.testing.assert_close(logits(slots["all8"]), qv4, atol=0, rtol=0)

@@ -22,7 +22,8 @@ def worker(tmp_path_factory, long_model, store, admin, sources_root):  # noqa: F
     for name in ("all8", "qv4"):
         register(admin, name, f"file://{sources_root / name}")
     cache = tmp_path_factory.mktemp("metrics-worker") / "cache"
-    flags = ["--max-loras", "1", "--max-cpu-loras", "2", "--kv-cache-tokens", "8192"]
+    # adapter memory for one rank-8 adapter on every module: all8 fills it, qv4 waits for it
+    flags = ["--max-loras", "1", "--max-lora-rank", "8", "--max-cpu-loras", "2", "--kv-cache-tokens", "8192"]
     process = WorkerProcess(long_model, store.address, cache, *flags, "--metrics-listen", "127.0.0.1:0")
     process.start()
     process.metrics = logged_metrics_address(process.log)
@@ -70,7 +71,8 @@ def test_calls_are_counted_by_adapter_and_status_and_streams_timed(worker, stub)
     assert value(after, "loramux:adapter_load_seconds_count") == 1  # all8 fetched from the store
     assert value(after, "loramux:host_tier_adapters") == 1
     assert value(after, "loramux:host_tier_capacity") == 2
-    assert value(after, "loramux:adapter_slots_total") == 1
+    total = value(after, "loramux:adapter_memory_total_bytes")
+    assert total > 0 and value(after, "loramux:adapter_memory_used_bytes") == total  # all8 fills it
     assert value(after, "loramux:kv_cache_blocks_total") > 0
     assert value(after, "process_resident_memory_bytes") > 0
 
@@ -78,7 +80,7 @@ def test_calls_are_counted_by_adapter_and_status_and_streams_timed(worker, stub)
 def test_lora_requests_info_names_running_and_waiting_adapters(worker, stub):
     before = scrape(worker.metrics)
     running = stub.Generate(_request("all8", [5, 6], 4000), timeout=60)
-    next(running)  # all8 streams: it holds the one device slot until it ends
+    next(running)  # all8 streams: it holds the adapter memory until it ends
     waiting = stub.Generate(_request("qv4", [7], 3), timeout=60)
     scrape_until(worker.metrics, lambda s: _lora_info(s).labels["waiting_lora_adapters"] == "qv4")
     # Read again: within one scrape the call gauges are read before the engine's snapshot (which

@@ -1,0 +1,314 @@
+"""AdapterMemory: which adapters hold which pages of the unified adapter memory, who uses them,
+and which go when a new one needs room.
+
+The memory is one pool of `units` equal units (the same unit offsets in every layer). An adapter
+takes, per LoRA target t (LORA_TARGETS order), need[t] pages of PAGE_RANK rank rows; a page of
+target t is a run of page_units[t] contiguous units. Pages of one adapter need not be adjacent,
+so adapters of any rank share the memory without fragmenting it whole-adapter-wise (S-LoRA).
+"""
+
+import bisect
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.engine.config import EngineConfig
+from kernels.lora_batch import PAGE_RANK
+from shared.errors import InvalidArgument
+from shared.model_config import LORA_TARGETS, ModelConfig
+from shared.peft_checkpoint import AdapterWeights
+
+Pages = tuple[tuple[int, ...], ...]  # [targets][pages]: the first unit of each page, in rank order
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    activations: int  # adapters copied into memory
+    evictions: int  # adapters dropped from memory to make room for another
+    active: int  # adapters in use by running requests
+    bytes_used: int  # device bytes holding resident adapters, busy or idle
+    bytes_total: int
+
+
+def unit_elements(model: ModelConfig) -> int:
+    """Elements per unit: PAGE_RANK * gcd over targets of (in_features + out_features), so every
+    target's page (PAGE_RANK * (in + out) elements) is a whole number of units."""
+    return PAGE_RANK * math.gcd(*_page_widths(model))
+
+
+def page_units(model: ModelConfig) -> tuple[int, ...]:
+    """Units per page of each target, LORA_TARGETS order."""
+    unit_width = math.gcd(*_page_widths(model))
+    return tuple(width // unit_width for width in _page_widths(model))
+
+
+def adapter_bytes(model: ModelConfig, need: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Device bytes, over all layers, of an adapter needing `need` pages per target."""
+    units = sum(n * size for n, size in zip(need, page_units(model), strict=True))
+    return model.num_layers * units * unit_elements(model) * dtype.itemsize
+
+
+def slot_memory(model: ModelConfig, loras: int, rank: int, dtype: torch.dtype) -> int:
+    """Bytes of `loras` adapters of rank `rank` on every target: what max_loras slots of
+    max_lora_rank held before unified memory, the default --adapter-memory."""
+    need = (-(-rank // PAGE_RANK),) * len(LORA_TARGETS)
+    return loras * adapter_bytes(model, need, dtype)
+
+
+def memory_units(model: ModelConfig, memory_bytes: int, dtype: torch.dtype) -> int:
+    """Whole units in `memory_bytes` of device memory; one unit spans every layer (all layers
+    share the offsets), so it takes num_layers * unit_elements elements."""
+    return memory_bytes // (model.num_layers * unit_elements(model) * dtype.itemsize)
+
+
+def adapter_memory_units(config: EngineConfig, model: ModelConfig) -> int:
+    """Units of the worker's adapter memory: --adapter-memory bytes, or max_loras adapters of
+    max_lora_rank on every target. Memory that cannot hold one such adapter is refused: an
+    adapter the worker accepts (rank <= max_lora_rank) must always fit."""
+    one = slot_memory(model, 1, config.max_lora_rank, config.torch_dtype)
+    memory = config.adapter_memory or config.max_loras * one
+    if 0 < memory < one:
+        raise InvalidArgument(
+            f"adapter_memory {memory} bytes cannot hold one adapter of max_lora_rank {config.max_lora_rank} "
+            f"on every module ({one} bytes on this model in {config.dtype}); raise it or lower max_lora_rank"
+        )
+    return memory_units(model, memory, config.torch_dtype)
+
+
+def unit_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes of one unit over all layers."""
+    return model.num_layers * unit_elements(model) * dtype.itemsize
+
+
+def target_ranks(weights: AdapterWeights) -> tuple[int, ...]:
+    """The adapter's rank on each target, LORA_TARGETS order: the largest of its modules of that
+    target over layers (0 where it does not target it)."""
+    return tuple(weights.module_ranks.get(target, 0) for target in LORA_TARGETS)
+
+
+def pages_needed(weights: AdapterWeights) -> tuple[int, ...]:
+    """Pages per target, LORA_TARGETS order: ceil(r_t / PAGE_RANK) for target_ranks r_t."""
+    return tuple(-(-r // PAGE_RANK) for r in target_ranks(weights))
+
+
+def _page_widths(model: ModelConfig) -> list[int]:
+    """in_features + out_features of each target, LORA_TARGETS order."""
+    return [s.in_features + s.out_features for s in model.linear_shapes().values()]
+
+
+class _FreeRuns:
+    """Free units as sorted, disjoint, non-adjacent runs [start, start + length)."""
+
+    def __init__(self, runs: list[tuple[int, int]]):
+        self._runs = runs
+
+    def copy(self) -> "_FreeRuns":
+        return _FreeRuns(list(self._runs))
+
+    @property
+    def total(self) -> int:
+        return sum(length for _, length in self._runs)
+
+    def take(self, length: int) -> int | None:
+        """The start of `length` units cut from the first run long enough, or None."""
+        for i, (start, run) in enumerate(self._runs):
+            if run >= length:
+                self._runs[i : i + 1] = [(start + length, run - length)] if run > length else []
+                return start
+        return None
+
+    def give(self, start: int, length: int) -> None:
+        """Free [start, start + length), merging it with the runs it touches."""
+        i = bisect.bisect(self._runs, (start, length))
+        if i > 0 and self._runs[i - 1][0] + self._runs[i - 1][1] == start:
+            i -= 1
+            start, length = self._runs[i][0], self._runs.pop(i)[1] + length
+        if i < len(self._runs) and self._runs[i][0] == start + length:
+            length += self._runs.pop(i)[1]
+        self._runs.insert(i, (start, length))
+
+
+@dataclass
+class _Slot:
+    """One adapter handle: the resident adapter (None when free or vacated), its pages and the
+    references running requests hold to it."""
+
+    digest: str | None
+    pages: Pages
+    refs: int = 0
+    acquired_at: int = 0  # acquire counter value, for least-recently-acquired order
+
+
+class AdapterMemory:
+    """Paged adapter memory keyed by adapter digest. An adapter in use by a running request is
+    never evicted; idle ones are evicted least recently used first. A slot is a small handle of
+    a resident adapter, reused lowest first."""
+
+    def __init__(self, units: int, page_units: tuple[int, ...], unit_bytes: int = 1):
+        self.units, self.page_units, self.unit_bytes = units, page_units, unit_bytes
+        self._free = _FreeRuns([(0, units)] if units else [])
+        self._slots: list[_Slot] = []
+        self._slot_of: dict[str, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # resident, unused; least recent first
+        self._clock = 0
+        self.activations = self.evictions = 0
+
+    def resident(self, digest: str) -> int | None:
+        """The slot of `digest`, if resident."""
+        return self._slot_of.get(digest)
+
+    def pages(self, slot: int) -> Pages:
+        """Per target: the first unit of each of the slot's pages, in rank order (page g holds
+        ranks PAGE_RANK*g .. PAGE_RANK*g + 7); no pages once vacated."""
+        return self._slots[slot].pages
+
+    def fits(self, need: tuple[int, ...]) -> bool:
+        """Whether an adapter needing `need` pages per target could ever be held: it fits in the
+        empty memory."""
+        return sum(n * size for n, size in zip(need, self.page_units, strict=True)) <= self.units
+
+    def can_acquire(self, digest: str, need: tuple[int, ...], avoid: int | None = None) -> bool:
+        """Whether acquire would succeed without waiting for a release: `digest` is resident in a
+        slot other than `avoid`, or its pages fit in the free units once every idle adapter other
+        than `avoid` is evicted. Changes nothing."""
+        slot = self.resident(digest)
+        if slot is not None:
+            return slot != avoid
+        free = self._free.copy()
+        for idle in self._idle:
+            if idle != avoid:
+                _give_pages(free, self.page_units, self._slots[idle].pages)
+        return _first_fit(free, self.page_units, need) is not None
+
+    def acquire(
+        self, digest: str, need: tuple[int, ...], keep: frozenset[str] = frozenset()
+    ) -> tuple[int, bool]:
+        """A reference to `digest`'s slot: (slot, True when its weights must be copied in).
+        A new adapter evicts idle adapters until its pages fit (placed first-fit, largest pages
+        first): least recently used first, but those not in `keep` (the digests waiting requests
+        use) before those in it. Precondition: can_acquire(digest, need) is True."""
+        slot = self.resident(digest)
+        activate = slot is None
+        if activate:
+            slot = self._activate(digest, self._make_room(need, keep))
+        entry = self._slots[slot]
+        entry.refs += 1
+        self._idle.pop(slot, None)
+        self._clock += 1
+        entry.acquired_at = self._clock
+        return slot, activate
+
+    def vacate(self, slot: int) -> None:
+        """The slot's weights are gone (a failed copy): its pages are free and its digest no
+        longer resident. The handle is reused once its holders release it."""
+        entry = self._slots[slot]
+        _give_pages(self._free, self.page_units, entry.pages)
+        self._slot_of.pop(entry.digest, None)
+        self._idle.pop(slot, None)
+        entry.digest, entry.pages = None, tuple(() for _ in self.page_units)
+
+    def release(self, slot: int) -> None:
+        """Drop one reference. At 0 the adapter stays resident, idle, at the most recently used
+        end; a vacated slot's handle becomes free."""
+        entry = self._slots[slot]
+        entry.refs -= 1
+        if entry.refs == 0 and entry.digest is not None:
+            self._idle[slot] = None
+
+    def lru_busy_slot(self) -> int | None:
+        """The busy slot acquired longest ago: the one to drain when a waiting request cannot fit.
+        Nothing new is admitted to it, so it stays the oldest until it drains."""
+        busy = [s for s, entry in enumerate(self._slots) if entry.refs]
+        return min(busy, key=lambda s: self._slots[s].acquired_at, default=None)
+
+    def drain_for(self, need: tuple[int, ...]) -> frozenset[int]:
+        """The busy slots to drain for an adapter needing `need` pages: the least recently
+        acquired ones, as few as make room once they and every idle adapter are gone. Nothing
+        new joins them, so they stay the oldest until they drain."""
+        busy = sorted(
+            (s for s, e in enumerate(self._slots) if e.refs and e.digest),
+            key=lambda s: self._slots[s].acquired_at,
+        )
+        free = self._free.copy()
+        for idle in self._idle:
+            _give_pages(free, self.page_units, self._slots[idle].pages)
+        for count, slot in enumerate(busy):
+            if _first_fit(free.copy(), self.page_units, need) is not None:
+                return frozenset(busy[:count])
+            _give_pages(free, self.page_units, self._slots[slot].pages)
+        return frozenset(busy)
+
+    def stats(self) -> SlotStats:
+        used = self.units - self._free.total
+        return SlotStats(
+            self.activations,
+            self.evictions,
+            self.active,
+            used * self.unit_bytes,
+            self.units * self.unit_bytes,
+        )
+
+    @property
+    def active(self) -> int:
+        """Adapters (and vacated handles) in use by running requests."""
+        return sum(1 for entry in self._slots if entry.refs)
+
+    def _make_room(self, need: tuple[int, ...], keep: frozenset[str]) -> Pages:
+        """Pages for `need`, taken from the free units after evicting as few idle adapters as
+        the eviction order allows."""
+        victims = iter(sorted(self._idle, key=lambda s: self._slots[s].digest in keep))
+        while (pages := self._take(need)) is None:
+            victim = next(victims, None)
+            if victim is None:
+                raise MemoryError(f"adapter memory cannot place {need} pages; call can_acquire first")
+            self._evict(victim)
+        return pages
+
+    def _take(self, need: tuple[int, ...]) -> Pages | None:
+        """First-fit pages for `need`, cut from the free units; None (nothing cut) if they do not fit."""
+        free = self._free.copy()
+        pages = _first_fit(free, self.page_units, need)
+        if pages is not None:
+            self._free = free
+        return pages
+
+    def _evict(self, slot: int) -> None:
+        self.vacate(slot)
+        self.evictions += 1
+
+    def _activate(self, digest: str, pages: Pages) -> int:
+        """The lowest free handle, now holding `digest` at `pages`."""
+        entry = _Slot(digest, pages)
+        slot = next((s for s, e in enumerate(self._slots) if e.digest is None and not e.refs), None)
+        if slot is None:
+            slot = len(self._slots)
+            self._slots.append(entry)
+        else:
+            self._slots[slot] = entry
+        self._slot_of[digest] = slot
+        self.activations += 1
+        return slot
+
+
+def _first_fit(free: _FreeRuns, page_units: tuple[int, ...], need: tuple[int, ...]) -> Pages | None:
+    """Pages for `need` cut from `free`, largest pages first, each in the first run long enough;
+    None when one does not fit (`free` is then partly cut: pass a copy)."""
+    if len(need) != len(page_units):
+        raise ValueError(f"need {need} names {len(need)} targets; the memory has {len(page_units)}")
+    starts: list[list[int]] = [[] for _ in need]
+    for t in sorted(range(len(need)), key=lambda t: -page_units[t]):
+        for _ in range(need[t]):
+            start = free.take(page_units[t])
+            if start is None:
+                return None
+            starts[t].append(start)
+    return tuple(tuple(s) for s in starts)
+
+
+def _give_pages(free: _FreeRuns, page_units: tuple[int, ...], pages: Pages) -> None:
+    """Return every page of `pages` to `free`."""
+    for size, starts in zip(page_units, pages, strict=True):
+        for start in starts:
+            free.give(start, size)

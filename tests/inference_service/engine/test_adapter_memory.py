@@ -1,0 +1,238 @@
+"""AdapterMemory and the layout that sizes it: what fits, where pages go, what is evicted."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from inference_service.engine.adapter_memory import (
+    AdapterMemory,
+    SlotStats,
+    adapter_bytes,
+    memory_units,
+    page_units,
+    pages_needed,
+    slot_memory,
+    unit_elements,
+)
+from shared.model_config import ModelConfig
+from shared.peft_checkpoint import AdapterWeights, ModuleLora
+
+SMOLLM2 = ModelConfig.from_dict(
+    {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    }
+)
+SMOLLM2_PAGES = (6, 4, 4, 6, 11, 11, 11)
+QV_RANK8 = (1, 0, 1, 0, 0, 0, 0)
+QV_RANK64 = (8, 0, 8, 0, 0, 0, 0)
+ALL_RANK64 = (8,) * 7
+
+
+def _units(need: tuple[int, ...]) -> int:
+    return sum(n * size for n, size in zip(need, SMOLLM2_PAGES, strict=True))
+
+
+def test_smollm2_unit_divides_every_page():
+    assert unit_elements(SMOLLM2) == 1536
+    assert page_units(SMOLLM2) == SMOLLM2_PAGES
+
+
+def test_adapter_bytes_scale_with_rank_and_targets():
+    small = adapter_bytes(SMOLLM2, QV_RANK8, torch.bfloat16)
+    assert small == 30 * (6 + 4) * 1536 * 2
+    assert 8 * small == adapter_bytes(SMOLLM2, QV_RANK64, torch.bfloat16)
+    assert adapter_bytes(SMOLLM2, QV_RANK8, torch.float32) == 2 * small
+
+
+def test_slot_memory_holds_exactly_that_many_full_adapters():
+    memory = slot_memory(SMOLLM2, 4, 64, torch.bfloat16)
+    assert memory == 4 * adapter_bytes(SMOLLM2, ALL_RANK64, torch.bfloat16)
+    assert memory_units(SMOLLM2, memory, torch.bfloat16) == 4 * _units(ALL_RANK64)
+    assert memory_units(SMOLLM2, memory - 1, torch.bfloat16) == 4 * _units(ALL_RANK64) - 1
+    assert slot_memory(SMOLLM2, 1, 12, torch.bfloat16) == slot_memory(SMOLLM2, 1, 16, torch.bfloat16)
+
+
+def test_pages_needed_takes_the_largest_rank_of_each_target_over_layers():
+    def lora(rank: int) -> ModuleLora:
+        return ModuleLora(torch.zeros(rank, 3), torch.zeros(rank, 5))
+
+    modules = {
+        (0, "q_proj"): lora(8),
+        (1, "q_proj"): lora(12),
+        (1, "v_proj"): lora(16),
+        (0, "down_proj"): lora(1),
+    }
+    weights = AdapterWeights(16, 16.0, ("down_proj", "q_proj", "v_proj"), modules)
+    assert pages_needed(weights) == (2, 0, 2, 0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("need, count", [(ALL_RANK64, 2), (QV_RANK64, 10), (QV_RANK8, 84)])
+def test_the_memory_of_two_rank64_adapters_holds_more_smaller_ones(need, count):
+    units = memory_units(SMOLLM2, slot_memory(SMOLLM2, 2, 64, torch.float16), torch.float16)
+    memory = AdapterMemory(units, SMOLLM2_PAGES)
+    for i in range(count):
+        assert memory.can_acquire(f"a{i}", need)
+        memory.acquire(f"a{i}", need)
+    assert not memory.can_acquire("one more", need)
+    assert memory.stats().bytes_used == count * _units(need)
+
+
+def test_fits_only_what_the_empty_memory_holds():
+    memory = AdapterMemory(_units(ALL_RANK64), SMOLLM2_PAGES)
+    assert memory.fits(ALL_RANK64)
+    assert not memory.fits((8, 8, 8, 8, 8, 8, 9))
+    assert not AdapterMemory(10, SMOLLM2_PAGES).fits((0, 0, 0, 0, 1, 0, 0))
+
+
+def test_a_resident_adapter_is_shared_and_pages_list_every_target_in_rank_order():
+    memory = AdapterMemory(100, SMOLLM2_PAGES)
+    assert memory.acquire("a", (2, 0, 1, 0, 0, 0, 0)) == (0, True)
+    assert memory.acquire("a", (2, 0, 1, 0, 0, 0, 0)) == (0, False)
+    assert memory.pages(0) == ((0, 6), (), (12,), (), (), (), ())
+    assert memory.stats() == SlotStats(1, 0, 1, 16, 100)
+
+
+def test_eviction_prefers_idle_adapters_waiting_requests_do_not_use_then_lru():
+    need = (1, 0, 0, 0, 0, 0, 0)
+    memory = AdapterMemory(18, SMOLLM2_PAGES)  # three 6-unit pages
+    for digest in "abc":
+        memory.acquire(digest, need)
+    for slot in (0, 1, 2):  # a is least recently used
+        memory.release(slot)
+    assert memory.acquire("d", need, keep=frozenset("a")) == (1, True)  # b: the oldest not kept
+    assert memory.resident("b") is None and memory.resident("a") == 0
+    memory.release(1)
+    assert memory.acquire("e", need, keep=frozenset("acd")) == (0, True)  # all kept: plain LRU
+    assert memory.resident("a") is None
+    assert memory.stats().evictions == 2
+
+
+def test_fragmented_free_units_coalesce_as_idle_adapters_go():
+    memory = AdapterMemory(28, (4, 11))
+    for i in range(7):  # seven 4-unit pages fill the memory: a0 at 0, a1 at 4, ...
+        memory.acquire(f"a{i}", (1, 0))
+    for slot in (0, 2, 4, 6, 1, 3, 5):
+        memory.release(slot)
+    # Evicting a0, a2, a4 frees 12 units in 4-unit holes; a6 and a1 must go too before [0, 12) is one run.
+    slot, activate = memory.acquire("big", (0, 1))
+    assert activate and memory.pages(slot) == ((), (0,))
+    assert memory.stats().evictions == 5
+    assert {f"a{i}" for i in range(7) if memory.resident(f"a{i}") is not None} == {"a3", "a5"}
+
+
+def test_busy_adapters_are_never_evicted():
+    memory = AdapterMemory(12, SMOLLM2_PAGES)
+    memory.acquire("a", (1, 0, 0, 0, 0, 0, 0))
+    memory.acquire("b", (1, 0, 0, 0, 0, 0, 0))
+    assert not memory.can_acquire("c", (1, 0, 0, 0, 0, 0, 0))
+    memory.release(1)
+    assert not memory.can_acquire("c", (1, 0, 0, 0, 0, 0, 0), avoid=1)
+    assert memory.can_acquire("c", (1, 0, 0, 0, 0, 0, 0))
+    assert memory.acquire("c", (1, 0, 0, 0, 0, 0, 0)) == (1, True)
+    assert memory.resident("a") == 0 and memory.lru_busy_slot() == 0
+
+
+def test_a_vacated_slot_is_reused_only_after_its_references_are_released():
+    need = (1, 0, 0, 0, 0, 0, 0)
+    memory = AdapterMemory(18, SMOLLM2_PAGES)  # three 6-unit pages
+    memory.acquire("a", need)
+    memory.acquire("a", need)
+    memory.vacate(0)
+    assert memory.resident("a") is None and memory.stats().bytes_used == 0
+    assert memory.pages(0) == ((),) * 7
+    assert memory.acquire("b", need) == (1, True)
+    memory.release(0)
+    assert memory.acquire("c", need) == (2, True)  # slot 0 still has a holder
+    memory.release(0)
+    assert memory.stats().active == 2 and memory.stats().evictions == 0
+    assert memory.acquire("a", need) == (0, True)
+    assert memory.pages(0) == ((12,), (), (), (), (), (), ())
+
+
+NEED = st.tuples(*[st.integers(0, 3)] * 7).filter(any)
+DIGESTS = st.sampled_from([f"d{i}" for i in range(8)])
+
+
+class RandomOperations(RuleBasedStateMachine):
+    """Random acquire / release / vacate sequences, checked against what must stay resident:
+    pages disjoint and inside the memory, busy adapters never evicted, evictions in order."""
+
+    @initialize(units=st.integers(40, 160), needs=st.lists(NEED, min_size=8, max_size=8))
+    def start(self, units: int, needs: list[tuple[int, ...]]):
+        self.memory = AdapterMemory(units, SMOLLM2_PAGES)
+        self.needs = {f"d{i}": need for i, need in enumerate(needs)}
+        self.held: list[int] = []  # one slot per reference a running request holds
+        self.resident: dict[str, int] = {}  # what must be resident, and where
+        self.idle: list[str] = []  # resident and unused, least recently used first
+
+    @rule(digest=DIGESTS, keep=st.frozensets(DIGESTS))
+    def acquire(self, digest: str, keep: frozenset[str]):
+        need = self.needs[digest]
+        before = self._snapshot()
+        able = self.memory.can_acquire(digest, need)
+        assert self._snapshot() == before
+        if not self.held:  # every resident adapter is idle: evicting them all leaves one free run
+            assert able == self.memory.fits(need)
+        if not able:
+            with pytest.raises(MemoryError):
+                copy.deepcopy(self.memory).acquire(digest, need, keep)
+            return
+        slot, activate = self.memory.acquire(digest, need, keep)
+        assert activate == (digest not in self.resident)
+        gone = [d for d in self.resident if self.memory.resident(d) is None]
+        order = [d for d in self.idle if d not in keep] + [d for d in self.idle if d in keep]
+        assert set(gone) == set(order[: len(gone)])  # the first idle adapters of the eviction order
+        for d in gone:
+            del self.resident[d]
+        self.idle = [d for d in self.idle if d not in gone and d != digest]
+        self.resident[digest] = slot
+        self.held.append(slot)
+
+    @precondition(lambda self: self.held)
+    @rule(index=st.integers(0, 63))
+    def release(self, index: int):
+        slot = self.held.pop(index % len(self.held))
+        self.memory.release(slot)
+        digest = next((d for d, s in self.resident.items() if s == slot), None)
+        if digest is not None and slot not in self.held:
+            self.idle.append(digest)
+
+    @precondition(lambda self: self.held)
+    @rule(index=st.integers(0, 63))
+    def vacate(self, index: int):
+        slot = self.held[index % len(self.held)]
+        self.memory.vacate(slot)
+        self.resident = {d: s for d, s in self.resident.items() if s != slot}
+
+    @invariant()
+    def resident_pages_are_disjoint_inside_the_memory_and_counted(self):
+        taken: set[int] = set()
+        for digest, slot in self.resident.items():
+            assert self.memory.resident(digest) == slot
+            pages = self.memory.pages(slot)
+            assert tuple(len(p) for p in pages) == self.needs[digest]
+            for size, starts in zip(SMOLLM2_PAGES, pages, strict=True):
+                for start in starts:
+                    units = set(range(start, start + size))
+                    assert not units & taken and start >= 0 and start + size <= self.memory.units
+                    taken |= units
+        assert self.memory.stats().bytes_used == len(taken)
+        assert self.memory.stats().active == len(set(self.held))
+
+    def _snapshot(self) -> tuple:
+        slots = sorted(set(self.held) | set(self.resident.values()))
+        return self.memory.stats(), [self.memory.pages(s) for s in slots], self.memory.lru_busy_slot()
+
+
+RandomOperations.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+test_random_operations = RandomOperations.TestCase
