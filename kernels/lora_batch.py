@@ -15,6 +15,7 @@ padding: a rank-8 adapter takes an eighth of a rank-64 one, and an adapter on q 
 the other targets. Every layer uses the same unit offsets.
 """
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ class SegmentTable:
 
         slots = list(groups)
         lengths = [len(groups[s]) for s in slots]
-        starts = [sum(lengths[:i]) for i in range(len(slots))]
+        starts = [0, *itertools.accumulate(lengths)][:-1]
         targets = len(adapters[slots[0]].ranks)
         pages = torch.zeros(targets, len(slots), max_pages, dtype=torch.int32)
         for i, slot in enumerate(slots):

@@ -46,8 +46,7 @@ def page_units(model: ModelConfig) -> tuple[int, ...]:
 
 def adapter_bytes(model: ModelConfig, need: tuple[int, ...], dtype: torch.dtype) -> int:
     """Device bytes, over all layers, of an adapter needing `need` pages per target."""
-    units = sum(n * size for n, size in zip(need, page_units(model), strict=True))
-    return model.num_layers * units * unit_elements(model) * dtype.itemsize
+    return _units(need, page_units(model)) * unit_bytes(model, dtype)
 
 
 def slot_memory(model: ModelConfig, loras: int, rank: int, dtype: torch.dtype) -> int:
@@ -60,7 +59,7 @@ def slot_memory(model: ModelConfig, loras: int, rank: int, dtype: torch.dtype) -
 def memory_units(model: ModelConfig, memory_bytes: int, dtype: torch.dtype) -> int:
     """Whole units in `memory_bytes` of device memory; one unit spans every layer (all layers
     share the offsets), so it takes num_layers * unit_elements elements."""
-    return memory_bytes // (model.num_layers * unit_elements(model) * dtype.itemsize)
+    return memory_bytes // unit_bytes(model, dtype)
 
 
 def adapter_memory_units(config: EngineConfig, model: ModelConfig) -> int:
@@ -91,6 +90,11 @@ def target_ranks(weights: AdapterWeights) -> tuple[int, ...]:
 def pages_needed(weights: AdapterWeights) -> tuple[int, ...]:
     """Pages per target, LORA_TARGETS order: ceil(r_t / PAGE_RANK) for target_ranks r_t."""
     return tuple(-(-r // PAGE_RANK) for r in target_ranks(weights))
+
+
+def _units(need: tuple[int, ...], page_units: tuple[int, ...]) -> int:
+    """Units an adapter needing `need` pages per target takes."""
+    return sum(n * size for n, size in zip(need, page_units, strict=True))
 
 
 def _page_widths(model: ModelConfig) -> list[int]:
@@ -167,20 +171,15 @@ class AdapterMemory:
     def fits(self, need: tuple[int, ...]) -> bool:
         """Whether an adapter needing `need` pages per target could ever be held: it fits in the
         empty memory."""
-        return sum(n * size for n, size in zip(need, self.page_units, strict=True)) <= self.units
+        return _units(need, self.page_units) <= self.units
 
-    def can_acquire(self, digest: str, need: tuple[int, ...], avoid: int | None = None) -> bool:
-        """Whether acquire would succeed without waiting for a release: `digest` is resident in a
-        slot other than `avoid`, or its pages fit in the free units once every idle adapter other
-        than `avoid` is evicted. Changes nothing."""
-        slot = self.resident(digest)
-        if slot is not None:
-            return slot != avoid
-        free = self._free.copy()
-        for idle in self._idle:
-            if idle != avoid:
-                _give_pages(free, self.page_units, self._slots[idle].pages)
-        return _first_fit(free, self.page_units, need) is not None
+    def can_acquire(self, digest: str, need: tuple[int, ...]) -> bool:
+        """Whether acquire would succeed without waiting for a release: `digest` is resident, or
+        its pages fit in the free units once every idle adapter is evicted. Changes nothing."""
+        return (
+            self.resident(digest) is not None
+            or _first_fit(self._free_of_idle(), self.page_units, need) is not None
+        )
 
     def acquire(
         self, digest: str, need: tuple[int, ...], keep: frozenset[str] = frozenset()
@@ -217,12 +216,6 @@ class AdapterMemory:
         if entry.refs == 0 and entry.digest is not None:
             self._idle[slot] = None
 
-    def lru_busy_slot(self) -> int | None:
-        """The busy slot acquired longest ago: the one to drain when a waiting request cannot fit.
-        Nothing new is admitted to it, so it stays the oldest until it drains."""
-        busy = [s for s, entry in enumerate(self._slots) if entry.refs]
-        return min(busy, key=lambda s: self._slots[s].acquired_at, default=None)
-
     def drain_for(self, need: tuple[int, ...]) -> frozenset[int]:
         """The busy slots to drain for an adapter needing `need` pages: the least recently
         acquired ones, as few as make room once they and every idle adapter are gone. Nothing
@@ -231,9 +224,7 @@ class AdapterMemory:
             (s for s, e in enumerate(self._slots) if e.refs and e.digest),
             key=lambda s: self._slots[s].acquired_at,
         )
-        free = self._free.copy()
-        for idle in self._idle:
-            _give_pages(free, self.page_units, self._slots[idle].pages)
+        free = self._free_of_idle()
         for count, slot in enumerate(busy):
             if _first_fit(free.copy(), self.page_units, need) is not None:
                 return frozenset(busy[:count])
@@ -254,6 +245,13 @@ class AdapterMemory:
     def active(self) -> int:
         """Adapters (and vacated handles) in use by running requests."""
         return sum(1 for entry in self._slots if entry.refs)
+
+    def _free_of_idle(self) -> _FreeRuns:
+        """A copy of the free units as they would be with every idle adapter evicted."""
+        free = self._free.copy()
+        for idle in self._idle:
+            _give_pages(free, self.page_units, self._slots[idle].pages)
+        return free
 
     def _make_room(self, need: tuple[int, ...], keep: frozenset[str]) -> Pages:
         """Pages for `need`, taken from the free units after evicting as few idle adapters as

@@ -112,10 +112,9 @@ class Scheduler:
                 resident = self.memory.resident(ready.digest)
                 if draining is not None and (resident is None or resident in draining):
                     continue
-                if resident is None and not self.memory.can_acquire(
-                    ready.digest, pages_needed(ready.weights)
-                ):
-                    draining = self.memory.drain_for(pages_needed(ready.weights))
+                need = pages_needed(ready.weights)
+                if resident is None and not self.memory.can_acquire(ready.digest, need):
+                    draining = self.memory.drain_for(need)
                     continue
             n = min(len(seq.prompt_token_ids), budget)
             self._start(seq, ready, activations)
