@@ -173,6 +173,10 @@ class AdapterMemory:
         empty memory."""
         return _units(need, self.page_units) <= self.units
 
+    def bytes_for(self, need: tuple[int, ...]) -> int:
+        """Device bytes an adapter needing `need` pages per target takes."""
+        return _units(need, self.page_units) * self.unit_bytes
+
     def can_acquire(self, digest: str, need: tuple[int, ...]) -> bool:
         """Whether acquire would succeed without waiting for a release: `digest` is resident, or
         its pages fit in the free units once every idle adapter is evicted. Changes nothing."""

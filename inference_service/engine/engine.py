@@ -245,8 +245,10 @@ class Engine:
             self._inbox.popleft()()
         self._collect_loads()
         schedule = self.scheduler.schedule()
+        for seq, error in schedule.refused:
+            self._finish(seq, "error", error)
         if not schedule.chunks:
-            return False
+            return bool(schedule.refused)
         for slot, ready in schedule.activations:
             self._activate(slot, ready)
         chunks = [c for c in schedule.chunks if c.seq.status is Status.RUNNING]

@@ -15,7 +15,7 @@ from inference_service.engine.adapter_memory import AdapterMemory, pages_needed
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.sequence import Sequence, Status
-from shared.errors import InvalidArgument
+from shared.errors import FailedPrecondition, InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class SchedulerStats:
 class Schedule:
     chunks: list[ScheduledChunk]
     activations: list[tuple[int, ReadyAdapter]]  # (adapter handle, adapter) to copy in before the step
+    refused: list[tuple[Sequence, FailedPrecondition]]  # adapter larger than all adapter memory: fail them
 
 
 class Scheduler:
@@ -88,17 +89,18 @@ class Scheduler:
             if n > 0:
                 chunks.append(ScheduledChunk(seq, n))
                 budget -= n
-        activations: list[tuple[int, ReadyAdapter]] = []
-        self._admit(budget, chunks, activations)
-        return Schedule(chunks, activations)
+        schedule = Schedule(chunks, [], [])
+        self._admit(budget, schedule)
+        return schedule
 
-    def _admit(self, budget: int, chunks: list, activations: list) -> None:
+    def _admit(self, budget: int, schedule: Schedule) -> None:
         """Admit waiting sequences in arrival order. A sequence whose adapter is still loading is
-        skipped (nothing waits for a load). When the oldest admissible one does not fit in
-        adapter memory, the least recently acquired busy adapters that make room for it are
-        drained: nobody new joins them and no later sequence brings another adapter in, so
-        their memory frees up and that sequence gets it; later sequences on the other resident
-        adapters keep being admitted."""
+        skipped (nothing waits for a load); one whose adapter is larger than the whole adapter
+        memory is refused (draining could never make room). When the oldest admissible one does
+        not fit in adapter memory, the least recently acquired busy adapters that make room for
+        it are drained: nobody new joins them and no later sequence brings another adapter in,
+        so their memory frees up and that sequence gets it; later sequences on the other
+        resident adapters keep being admitted."""
         draining: frozenset[int] | None = None  # set once the oldest admissible one waits for room
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -113,13 +115,23 @@ class Scheduler:
                 if draining is not None and (resident is None or resident in draining):
                     continue
                 need = pages_needed(ready.weights)
+                if resident is None and not self.memory.fits(need):
+                    schedule.refused.append((seq, self._too_large(seq, need)))
+                    continue
                 if resident is None and not self.memory.can_acquire(ready.digest, need):
                     draining = self.memory.drain_for(need)
                     continue
             n = min(len(seq.prompt_token_ids), budget)
-            self._start(seq, ready, activations)
-            chunks.append(ScheduledChunk(seq, n))
+            self._start(seq, ready, schedule.activations)
+            schedule.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+
+    def _too_large(self, seq: Sequence, need: tuple[int, ...]) -> FailedPrecondition:
+        total = self.memory.stats().bytes_total
+        return FailedPrecondition(
+            f"adapter {seq.adapter!r} needs {self.memory.bytes_for(need)} bytes of adapter memory; "
+            f"this worker has {total} in all (--adapter-memory), so it can never be loaded"
+        )
 
     def check_fits(self, seq: Sequence) -> None:
         """Refuse a sequence the KV cache could never hold: every position's block is reserved at

@@ -102,6 +102,29 @@ def test_an_adapter_device_memory_cannot_take_fails_only_its_requests(tiny_model
     _assert_idle(engine)
 
 
+def test_an_adapter_larger_than_all_adapter_memory_fails_only_its_requests(tiny_models, tiny_adapters):
+    """Memory for one rank-16 adapter on every module; `huge` has rank 24 on every module, as a
+    store that skipped the max_lora_rank check would serve it. Draining for it could never make
+    room, so its requests fail at once and every other one runs."""
+    model = ModelConfig.from_dir(tiny_models["llama"])
+    good = load_peft_adapter("all8", tiny_adapters["llama"]["all8"], model, 16, torch.float32)
+    rank24 = {
+        key: ModuleLora(torch.ones(24, m.a.shape[1]), torch.ones(24, m.b_t.shape[1]))
+        for key, m in good.modules.items()
+    }
+    huge = ReadyAdapter("huge", "sha256:" + "3" * 64, replace(good, rank=24, modules=rank24))
+    engine = _engine(tiny_models, tiny_adapters, TamperingLoader(model, {"huge": huge}), max_loras=1)
+    requests = _requests([("all8", [9, 10], 7), ("huge", [11, 12, 13], 5), ("qv4", [14, 15, 16, 17], 6)])
+    outputs = engine.generate(requests)
+    assert isinstance(outputs[1].error, FailedPrecondition) and not outputs[1].token_ids
+    assert "adapter 'huge' needs" in str(outputs[1].error) and "so it can never be loaded" in str(
+        outputs[1].error
+    )
+    for i in (0, 2):
+        assert outputs[i].error is None and outputs[i].token_ids == _alone(engine, requests[i])
+    _assert_idle(engine)
+
+
 def _overflowing_adapter(tiny_adapters, root) -> str:
     """A PEFT adapter with finite weights so large that its outputs overflow float32."""
     folder = shutil.copytree(tiny_adapters["llama"]["all8"], root / "overflow")

@@ -108,7 +108,9 @@ class Rig:
     def run(self, schedule: Schedule) -> None:
         """The rest of Engine._step_locked: each chunk reaching its prompt's end draws a token
         (any id: no stop ids or eos here), the scheduler postprocesses the step, and a sequence
-        at max_tokens finishes (_emit)."""
+        at max_tokens finishes (_emit); a refused sequence fails."""
+        for seq, _ in schedule.refused:
+            self.scheduler.finish(seq, "error")
         sampled = [(c.seq, len(c.seq.token_ids)) for c in schedule.chunks if c.samples]
         self.scheduler.postprocess(schedule.chunks, sampled)
         for seq, _ in sampled:
@@ -369,6 +371,23 @@ def test_small_adapters_share_a_step_in_the_memory_of_few_big_ones():
     assert rig.scheduler.get("big").status is Status.WAITING  # no room until they finish
     rig.drain()
     assert rig.slots.activations == 5
+
+
+def test_an_adapter_larger_than_all_adapter_memory_is_refused_and_drains_nobody():
+    """Memory of 2 units; `huge` at rank 32 needs 4, more than the empty memory holds. Its
+    requests fail at once, naming the sizes, and `a`'s requests behind it keep being admitted:
+    draining `a` for an adapter that can never fit would stall everyone."""
+    rig = _rig(max_loras=2, ready=("a", "huge"), ranks={"huge": 32})
+    rig.add("a0", 4, 8, "a")
+    rig.step()
+    huge = rig.add("huge", 4, 8, "huge")
+    rig.add("a1", 4, 8, "a")
+    schedule = rig.step()
+    assert [seq for seq, _ in schedule.refused] == [huge] and huge.finish_reason == "error"
+    assert "adapter 'huge' needs 4 bytes of adapter memory; this worker has 2" in str(schedule.refused[0][1])
+    assert "a1" in {name for name, _ in _chunks(schedule)}
+    rig.drain()
+    assert rig.slots.active == 0 and not rig.host.held["huge"]
 
 
 # --- a workload over adapter popularity ---------------------------------------------------------
