@@ -34,36 +34,48 @@ class AdapterPages:
     pages: tuple[tuple[int, ...], ...]  # [targets][ceil(rank / PAGE_RANK)]
 
 
-def page_views(
+def page_rows(
     pool: torch.Tensor, unit: int, in_features: int, out_features: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [windows, PAGE_RANK, in] and B^T [windows, PAGE_RANK, out] of the page starting at each
-    unit of one layer's pool [units*unit], as overlapping views (no copy): index u is the page at
-    unit u, for every u where a page of this target ends inside the pool."""
-    page = PAGE_RANK * (in_features + out_features)
-    windows = max(0, (pool.numel() - page) // unit + 1)
+    """A [windows, PAGE_RANK*in] and B^T [windows, PAGE_RANK*out] of the page starting at each
+    unit of one layer's pool [units*unit], each page's rows flat, as overlapping views (no copy):
+    index u is the page at unit u, for every u where a page of this target ends inside the pool."""
+    windows = max(0, (pool.numel() - PAGE_RANK * (in_features + out_features)) // unit + 1)
     base = pool.storage_offset()
-    a = pool.as_strided((windows, PAGE_RANK, in_features), (unit, in_features, 1), base)
-    b = pool.as_strided(
-        (windows, PAGE_RANK, out_features), (unit, out_features, 1), base + PAGE_RANK * in_features
-    )
+    a = pool.as_strided((windows, PAGE_RANK * in_features), (unit, 1), base)
+    b = pool.as_strided((windows, PAGE_RANK * out_features), (unit, 1), base + PAGE_RANK * in_features)
     return a, b
 
 
-@dataclass(frozen=True)
-class PageRows:
-    """One target's LoRA work of a step on the CPU, as one batched matmul over elements of
-    (one page, `rows` padded token rows): each adapter's tokens are cut into chunks of `rows`,
-    and every chunk meets every page of its adapter; the results of an adapter's pages add up to
-    its rank-r product. units[e] is element e's page; its padded rows are tokens
-    gather[e*rows : (e+1)*rows], where padding names the zero row `tokens` (one past the last
-    token); scatter names the token each row's result is added to (padding adds its zero to a
-    token of the same adapter, so even non-finite weights touch no one else's row)."""
+def page_views(
+    pool: torch.Tensor, unit: int, in_features: int, out_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """page_rows as A [windows, PAGE_RANK, in] and B^T [windows, PAGE_RANK, out]."""
+    a, b = page_rows(pool, unit, in_features, out_features)
+    return a.unflatten(1, (PAGE_RANK, in_features)), b.unflatten(1, (PAGE_RANK, out_features))
 
-    units: torch.Tensor  # [elements] int64
+
+@dataclass(frozen=True)
+class PageChunks:
+    """Part of one target's LoRA work of a step on the CPU: the adapters with `pages` pages on
+    it, their tokens cut into chunks of `rows`. A chunk's A is its adapter's pages' A rows stacked
+    [pages*PAGE_RANK, in] (B^T likewise), so one batched matmul pair covers every chunk at its
+    adapter's whole rank. units [chunks*pages]: the first unit of each chunk's pages, rank order.
+    gather [chunks*rows]: the token each row reads, padding the zero row `tokens` (one past the
+    last token); scatter: the token its result is added to (padding adds its zero to a token of
+    the same adapter, so even non-finite weights touch no one else's row). Both are None when
+    the rows are the tokens first .. first + chunks*rows in order: a view, no copy."""
+
+    pages: int
     rows: int
-    gather: torch.Tensor  # [elements*rows] int64
-    scatter: torch.Tensor  # [elements*rows] int64
+    units: torch.Tensor  # [chunks*pages] int64
+    gather: torch.Tensor | None  # [chunks*rows] int64
+    scatter: torch.Tensor | None  # [chunks*rows] int64
+    first: int
+
+    @property
+    def chunks(self) -> int:
+        return self.units.numel() // self.pages
 
 
 @dataclass(frozen=True)
@@ -123,12 +135,13 @@ class LoraBatch:
 
     Semantics: token i of the flattened batch uses the resident adapter `token_slots[i]` (a
     handle of the adapter memory; -1: the base model alone), whose pages `adapters` gives. On
-    the CPU, `rows[t]` is target t's batched work (None: no token's adapter targets t, and the
-    target costs nothing); on the Triton kernels' path (`kernels`, by default on CUDA) `table`
-    holds the step (None: no token uses an adapter).
+    the CPU, `rows[t]` is target t's batched work, one PageChunks per page count among the
+    step's adapters (None: no token's adapter targets t, and the target costs nothing); on the
+    Triton kernels' path (`kernels`, by default on CUDA) `table` holds the step (None: no token
+    uses an adapter).
     """
 
-    rows: tuple[PageRows | None, ...] | None
+    rows: tuple[tuple[PageChunks, ...] | None, ...] | None
     table: SegmentTable | None
 
     @classmethod
@@ -156,27 +169,36 @@ class LoraBatch:
 
 def _page_rows(
     groups: dict[int, list[int]], adapters: Mapping[int, AdapterPages], target: int, tokens: int, device
-) -> PageRows | None:
+) -> tuple[PageChunks, ...] | None:
+    """The adapters targeting `target`, grouped by their page count there."""
+    by_pages: dict[int, list[tuple[list[int], tuple[int, ...]]]] = {}
+    for slot, toks in groups.items():
+        if adapters[slot].ranks[target]:
+            pages = adapters[slot].pages[target]
+            by_pages.setdefault(len(pages), []).append((toks, pages))
+    if not by_pages:
+        return None
+    return tuple(_chunks(used, tokens, device) for _, used in sorted(by_pages.items()))
+
+
+def _chunks(used: list[tuple[list[int], tuple[int, ...]]], tokens: int, device) -> PageChunks:
     """Chunks of the mean tokens per adapter (rounded up): an adapter with many tokens takes
     several chunks rather than padding every other one to its length, so padded rows stay under
     twice the tokens."""
-    used = [
-        (toks, adapters[slot].pages[target]) for slot, toks in groups.items() if adapters[slot].ranks[target]
-    ]
-    if not used:
-        return None
     rows = -(-sum(len(toks) for toks, _ in used) // len(used))
     units, gather, scatter = [], [], []
     for toks, pages in used:
         for start in range(0, len(toks), rows):
             chunk = toks[start : start + rows]
             padding = rows - len(chunk)
-            for page in pages:
-                units.append(page)
-                gather += chunk + [tokens] * padding
-                scatter += chunk + [chunk[0]] * padding
+            units += pages
+            gather += chunk + [tokens] * padding
+            scatter += chunk + [chunk[0]] * padding
 
     def tensor(values):
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    return PageRows(tensor(units), rows, tensor(gather), tensor(scatter))
+    in_order = tokens not in gather and gather == list(range(gather[0], gather[0] + len(gather)))
+    if in_order:  # and no padding: a view of the tokens
+        return PageChunks(len(used[0][1]), rows, tensor(units), None, None, gather[0])
+    return PageChunks(len(used[0][1]), rows, tensor(units), tensor(gather), tensor(scatter), 0)

@@ -1,35 +1,41 @@
-"""lora_bmm: one target's LoRA product for every token on the CPU, one batched matmul pair over
-the adapters' pages."""
+"""lora_bmm: one target's LoRA product for the tokens of adapters with the same page count on
+the CPU, one batched matmul pair over chunks of their tokens."""
 
 from collections.abc import Mapping
 
 import torch
 
-from kernels.lora_batch import AdapterPages, PageRows, page_views
+from kernels.lora_batch import PAGE_RANK, AdapterPages, PageChunks, page_rows, page_views
 
 
 def lora_bmm(
-    y: torch.Tensor, x_padded: torch.Tensor, pool: torch.Tensor, unit: int, rows: PageRows
+    y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, unit: int, work: PageChunks
 ) -> torch.Tensor:
-    """Semantics: y[i] += B_t^T A_t x[i] for every token i whose adapter targets t, where A_t
-    [r, in] and B_t^T [r, out] are its pages' rows stacked in rank order (lora_ref).
+    """Semantics: y[i] += B_t^T A_t x[i] for every token i of `work`'s chunks, where A_t [r, in]
+    and B_t^T [r, out] are its adapter's pages' rows stacked in rank order (lora_ref).
 
     y: [tokens, out] (one slice's columns: a view is fine; updated in place and returned);
-    x_padded: [tokens + 1, in], the tokens then one zero row (padding reads it); pool: one
-    layer's [units*unit]. Every page is an independent rank-PAGE_RANK term, so each element of
-    `rows` (one page, its chunk of tokens) is one matrix of a batched matmul, and index_add
-    sums an adapter's pages into its tokens: the cost follows the ranks the step's adapters
-    have, and no rank past an adapter's own pages is read.
+    x: [tokens, in], plus one zero row after them when work.gather is set (padding reads it);
+    pool: one layer's [units*unit]. Each chunk is one matrix of a batched matmul pair whose inner
+    dimension is its adapter's pages' ranks: the cost follows the ranks the step's adapters have,
+    and no rank past an adapter's own pages is read.
     """
-    in_features, out_features = x_padded.shape[1], y.shape[1]
-    a, b = page_views(pool, unit, in_features, out_features)
-    a_pages = a.index_select(0, rows.units)  # [elements, PAGE_RANK, in]
-    b_pages = b.index_select(0, rows.units)  # [elements, PAGE_RANK, out]
-    x_rows = x_padded.index_select(0, rows.gather).view(-1, rows.rows, in_features)  # [elements, rows, in]
-    # A @ x^T streams each page's A row by row: faster than x @ A^T once A is out of cache
-    shrunk = torch.bmm(a_pages, x_rows.transpose(1, 2))  # [elements, PAGE_RANK, rows]
-    delta = torch.bmm(shrunk.transpose(1, 2), b_pages)  # [elements, rows, out]
-    return y.index_add_(0, rows.scatter, delta.view(-1, out_features))
+    in_features, out_features = x.shape[1], y.shape[1]
+    chunks, rank, rows = work.chunks, work.pages * PAGE_RANK, work.rows
+    a_rows, b_rows = page_rows(pool, unit, in_features, out_features)
+    a = a_rows.index_select(0, work.units).view(chunks, rank, in_features)  # [chunks, rank, in]
+    b = b_rows.index_select(0, work.units).view(chunks, rank, out_features)  # [chunks, rank, out]
+    if work.gather is None:
+        x_rows = x[work.first : work.first + chunks * rows].view(chunks, rows, in_features)
+    else:
+        x_rows = x.index_select(0, work.gather).view(chunks, rows, in_features)  # [chunks, rows, in]
+    # A @ x^T streams each chunk's A row by row: faster than x @ A^T once A is out of cache
+    shrunk = torch.bmm(a, x_rows.transpose(1, 2))  # [chunks, rank, rows]
+    delta = torch.bmm(shrunk.transpose(1, 2), b).view(-1, out_features)  # [chunks*rows, out]
+    if work.scatter is None:
+        y[work.first : work.first + chunks * rows] += delta
+        return y
+    return y.index_add_(0, work.scatter, delta)
 
 
 def lora_ref(

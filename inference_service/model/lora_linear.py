@@ -56,10 +56,11 @@ class LoRALinear(nn.Module):
         rows = lora.rows[self.first_target : self.first_target + len(self.slices)] if lora.rows else ()
         if not any(rows):
             return y
-        x_padded = F.pad(x, (0, 0, 0, 1))  # [tokens + 1, in]: padding rows read the zero row
+        if any(work.gather is not None for target_rows in rows if target_rows for work in target_rows):
+            x = F.pad(x, (0, 0, 0, 1))  # [tokens + 1, in]: padding rows read the zero row
         for (offset, size), target_rows in zip(self.slices, rows, strict=True):
-            if target_rows is not None:
-                lora_bmm(y[:, offset : offset + size], x_padded, self.pool, self.unit, target_rows)
+            for work in target_rows or ():
+                lora_bmm(y[:, offset : offset + size], x, self.pool, self.unit, work)
         return y
 
 

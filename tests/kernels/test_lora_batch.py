@@ -1,4 +1,4 @@
-from kernels.lora_batch import TILE_ROWS, AdapterPages, LoraBatch
+from kernels.lora_batch import TILE_ROWS, AdapterPages, LoraBatch, PageChunks
 
 # three adapters on targets 0 and 1 of two targets: ranks 8 (1 page), 20 (3 pages), 0 on target 1
 ADAPTERS = {
@@ -8,23 +8,45 @@ ADAPTERS = {
 }
 
 
-def test_page_rows_give_every_token_each_page_of_its_adapter_once():
-    slots = [1, 0, -1, 1, 1, 2, 1, 1]  # adapter 1 has 5 tokens, the others 1: chunks of 3 rows
+def _rows(work: PageChunks) -> tuple[list[int], list[int]]:
+    """(gather, scatter) of the chunks, spelled out where they are a range of tokens."""
+    if work.gather is None:
+        tokens = list(range(work.first, work.first + work.chunks * work.rows))
+        return tokens, tokens
+    return work.gather.tolist(), work.scatter.tolist()
+
+
+def test_page_chunks_give_every_token_each_page_of_its_adapter_once_grouped_by_page_count():
+    slots = [1, 0, -1, 1, 1, 2, 1, 1, 2]  # adapter 1 (3 pages) has 5 tokens; 0 (1 page) 1; 2 (2 pages) 2
     batch = LoraBatch.build(slots, ADAPTERS)
-    rows = batch.rows[0]
-    assert rows.rows == 3  # ceil(7 tokens / 3 adapters)
+    assert [work.pages for work in batch.rows[0]] == [1, 2, 3]  # one batched matmul pair per page count
     got: dict[int, list[int]] = {}
-    units, gather, scatter = rows.units.tolist(), rows.gather.tolist(), rows.scatter.tolist()
-    for i, (token, target) in enumerate(zip(gather, scatter, strict=True)):
-        page = units[i // rows.rows]
-        if token == len(slots):  # padding: the zero row, added to a token of the same adapter
-            assert page in ADAPTERS[slots[target]].pages[0]
-        else:
-            assert token == target
-            got.setdefault(token, []).append(page)
-    expected = {t: sorted(ADAPTERS[s].pages[0]) for t, s in enumerate(slots) if s >= 0}
-    assert {t: sorted(p) for t, p in got.items()} == expected
-    assert len(gather) <= 2 * sum(len(p) for p in expected.values())  # padding stays under 2x
+    for work in batch.rows[0]:
+        units = work.units.tolist()
+        gather, scatter = _rows(work)
+        assert len(units) == work.chunks * work.pages and len(gather) == work.chunks * work.rows
+        for i, (token, target) in enumerate(zip(gather, scatter, strict=True)):
+            pages = units[i // work.rows * work.pages :][: work.pages]  # the row's chunk's pages
+            assert pages == list(ADAPTERS[slots[target]].pages[0])  # in rank order
+            if token == len(slots):  # padding: the zero row, added to a token of the same adapter
+                continue
+            assert token == target and token not in got
+            got[token] = pages
+    assert got == {t: list(ADAPTERS[s].pages[0]) for t, s in enumerate(slots) if s >= 0}
+    adapter1 = batch.rows[0][2]
+    assert adapter1.rows == 5 and adapter1.gather is not None  # tokens 0, 3, 4, 6, 7: not a range
+
+
+def test_chunks_of_tokens_in_order_without_padding_are_a_range():
+    batch = LoraBatch.build([-1, 2, 2, 0, 0], ADAPTERS)  # grouped by adapter, as the engine orders a step
+    one_page, two_pages = batch.rows[0]
+    assert (one_page.gather, one_page.first, one_page.rows) == (None, 3, 2)
+    assert (two_pages.gather, two_pages.first, two_pages.units.tolist()) == (None, 1, [40, 20])
+    # two one-page adapters, 4 and 3 tokens: chunks of 4, the last one padded with the zero row 7,
+    # which follows token 6 as if it were a token: still not a range (it must read zeros, add nowhere)
+    one_page = {0: ADAPTERS[0], 3: AdapterPages((8, 8), ((11,), (51,)))}
+    padded = LoraBatch.build([0, 0, 0, 0, 3, 3, 3], one_page).rows[0][0]
+    assert padded.gather.tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and padded.scatter.tolist()[-1] == 4
 
 
 def test_a_target_no_adapter_of_the_step_has_costs_nothing():

@@ -32,12 +32,13 @@ def _memory(first_target: int, in_features: int, sizes: tuple[int, ...], dtype: 
 @pytest.mark.parametrize("module", sorted(SLICES))
 @pytest.mark.parametrize("base_every", [0, 3])
 @pytest.mark.parametrize("tokens", [1, 29])
+@pytest.mark.parametrize("grouped", [False, True], ids=["scattered", "grouped"])  # grouped: chunks are ranges
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
-def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, dtype):
+def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, grouped, dtype):
     first_target, sizes = SLICES[module]
     in_features = 24
     pool, adapters = _memory(first_target, in_features, sizes, dtype)
-    slots = token_slots(spread, tokens, len(RANKS), base_every, grouped=False, seed=tokens)
+    slots = token_slots(spread, tokens, len(RANKS), base_every, grouped=grouped, seed=tokens)
     batch = LoraBatch.build(slots, adapters)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, in_features, generator=generator).to(dtype)
@@ -47,8 +48,8 @@ def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, dtyp
     for s, size in enumerate(sizes):
         target = first_target + s
         expected = lora_ref(y[:, offset : offset + size], x, pool, UNIT, slots, adapters, target)
-        if batch.rows[target] is not None:
-            lora_bmm(out[:, offset : offset + size], x_padded, pool, UNIT, batch.rows[target])
+        for work in batch.rows[target] or ():
+            lora_bmm(out[:, offset : offset + size], x_padded, pool, UNIT, work)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(out[:, offset : offset + size], expected, atol=10 * tol, rtol=tol)
         offset += size
@@ -61,6 +62,8 @@ def test_tokens_of_the_base_model_and_of_adapters_that_leave_a_target_are_untouc
     batch = LoraBatch.build(slots, adapters)
     assert batch.rows[first_target + 1] is None  # no token's adapter targets k: k costs nothing
     x, y = torch.randn(5, 24), torch.randn(5, sizes[0])
-    out = lora_bmm(y.clone(), torch.cat([x, x.new_zeros(1, 24)]), pool, UNIT, batch.rows[first_target])
+    out = y.clone()
+    for work in batch.rows[first_target]:
+        lora_bmm(out, torch.cat([x, x.new_zeros(1, 24)]), pool, UNIT, work)
     assert torch.equal(out[[0, 3, 4]], y[[0, 3, 4]])
     assert not torch.equal(out[[1, 2]], y[[1, 2]])
