@@ -14,7 +14,6 @@ dead engine.
 """
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections import deque
@@ -29,6 +28,7 @@ from inference_service.adapters.local_loader import LocalAdapterLoader
 from inference_service.engine.adapter_memory import AdapterMemory, page_units, unit_bytes
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
+from inference_service.engine.delta_queue import DeltaQueue
 from inference_service.engine.engine_thread import EngineThread
 from inference_service.engine.metrics import EngineMetrics, EngineStats
 from inference_service.engine.model_runner import ModelRunner
@@ -177,19 +177,15 @@ class Engine:
         return [RequestOutput.collect(deltas[r.request_id]) for r in requests]
 
     async def stream(self, request: Request) -> AsyncIterator[Delta]:
-        """Deltas of one request as they are produced; closing the iterator aborts it."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Delta] = asyncio.Queue()
-
-        def deliver(delta: Delta) -> None:
-            with contextlib.suppress(RuntimeError):  # the consumer's loop closed: nobody listens
-                loop.call_soon_threadsafe(queue.put_nowait, delta)
-
-        self.submit(request, deliver)
+        """Deltas of one request as they are produced; closing the iterator aborts it. A consumer
+        that falls behind gets what it missed joined into one delta (Delta.join), so it catches
+        up in one message rather than one per step."""
+        queue = DeltaQueue(asyncio.get_running_loop())
+        self.submit(request, queue.put)
         finished = False
         try:
             while not finished:
-                delta = await queue.get()
+                delta = Delta.join(await queue.take())
                 finished = delta.finish_reason is not None
                 yield delta
         finally:

@@ -47,6 +47,24 @@ class Delta:
     completion_tokens: int = 0
     error: LoramuxError | None = None
 
+    @classmethod
+    def join(cls, deltas: list["Delta"]) -> "Delta":
+        """One delta for consecutive deltas of one request: their tokens, text and logprobs in
+        order; finish, usage and error of the last."""
+        if len(deltas) == 1:
+            return deltas[0]
+        last = deltas[-1]
+        return cls(
+            last.request_id,
+            [t for d in deltas for t in d.token_ids],
+            "".join(d.text for d in deltas),
+            [lp for d in deltas for lp in d.logprobs],
+            last.finish_reason,
+            last.prompt_tokens,
+            last.completion_tokens,
+            last.error,
+        )
+
 
 @dataclass
 class RequestOutput:
@@ -61,14 +79,14 @@ class RequestOutput:
 
     @classmethod
     def collect(cls, deltas: list[Delta]) -> "RequestOutput":
-        last = deltas[-1]
+        d = Delta.join(deltas)
         return cls(
-            last.request_id,
-            [t for d in deltas for t in d.token_ids],
-            "".join(d.text for d in deltas),
-            last.finish_reason,
-            last.prompt_tokens,
-            last.completion_tokens,
-            [lp for d in deltas for lp in d.logprobs],
-            last.error,
+            d.request_id,
+            d.token_ids,
+            d.text,
+            d.finish_reason,
+            d.prompt_tokens,
+            d.completion_tokens,
+            d.logprobs,
+            d.error,
         )

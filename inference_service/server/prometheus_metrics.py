@@ -43,14 +43,18 @@ class GenerateCall:
         self._first_token_s: float | None = None
         self._last_token = self._start
 
-    def token(self) -> None:
-        """A delta with a token is about to go out (the engine sends one token per delta)."""
+    def tokens(self, count: int) -> None:
+        """A message with `count` tokens is about to go out. Its first token's gap is measured
+        from the previous message; the others reach the client with it, a gap of 0 (a stream
+        that fell behind catches up in one message)."""
         now = time.perf_counter()
         if self._first_token_s is None:
             self._first_token_s = now - self._start
             self._metrics.time_to_first_token.observe(self._first_token_s)
         else:
             self._metrics.inter_token_latency.observe(now - self._last_token)
+        for _ in range(count - 1):
+            self._metrics.inter_token_latency.observe(0.0)
         self._last_token = now
 
     def finished(self) -> tuple[float, float]:

@@ -33,12 +33,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 convert.request, request, engine.tokenizer, engine.max_model_len
             )
             async for delta in engine.stream(engine_request):
-                if delta.error is not None:
-                    raise delta.error
                 if delta.token_ids:
-                    call.token()
+                    call.tokens(len(delta.token_ids))
                 if delta.token_ids or delta.text:
                     yield convert.delta(delta)
+                if delta.error is not None:
+                    raise delta.error
                 if delta.finish_reason is not None:
                     yield convert.final(delta, *call.finished())
 

@@ -315,7 +315,9 @@ def test_stream_yields_deltas_and_closing_it_aborts(tiny_models, tiny_adapters):
 
     try:
         full, first = asyncio.run(scenario())
-        assert [len(d.token_ids) for d in full] == [1, 1, 1, 1, 1, 0] and full[-1].finish_reason == "length"
+        # one delta per step while the consumer keeps up; the last token and the finish may come joined
+        assert [len(d.token_ids) for d in full][:4] == [1, 1, 1, 1] and full[-1].finish_reason == "length"
+        assert sum(len(d.token_ids) for d in full) == 5 and all(d.finish_reason is None for d in full[:-1])
         assert len(first.token_ids) == 1
         deadline = time.monotonic() + 5
         while engine.has_work and time.monotonic() < deadline:
@@ -323,6 +325,35 @@ def test_stream_yields_deltas_and_closing_it_aborts(tiny_models, tiny_adapters):
         assert not engine.has_work
     finally:
         engine.stop()
+
+
+def test_a_stream_that_falls_behind_catches_up_in_one_delta_with_every_token(tiny_models, tiny_adapters):
+    import asyncio
+
+    engine = _engine(tiny_models, tiny_adapters)
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=2)
+    expected = engine.generate([Request([3, 4], "all8", params)])[0]
+    engine.start()
+
+    async def scenario():
+        stream = engine.stream(Request([3, 4], "all8", params))
+        first = await stream.__anext__()
+        deadline = time.monotonic() + 5
+        while engine.has_work and time.monotonic() < deadline:
+            time.sleep(0.01)  # the consumer's loop is busy: every later delta waits for it
+        return [first] + [d async for d in stream]
+
+    try:
+        deltas = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert [len(d.token_ids) for d in deltas] == [1, 6]  # the six it missed, in one delta
+    assert (
+        deltas[1].token_ids == expected.token_ids[1:]
+        and deltas[1].text == expected.text[len(deltas[0].text) :]
+    )
+    assert [lp for d in deltas for lp in d.logprobs] == expected.logprobs
+    assert (deltas[-1].finish_reason, deltas[-1].completion_tokens) == ("length", 7)
 
 
 def test_stats_count_requests_tokens_tiers_and_loads(tiny_models, tiny_adapters):
