@@ -114,13 +114,27 @@ def many_adapters(result: dict, path: Path) -> None:
     left, right = fig.subplots(1, 2)
     rates = {case: [r["tok/s"] for r in values] for case, values in rounds.items()}
     ratio = statistics.median(result["ratio_to_hot"])
-    bars_with_rounds(left, rates, "generated tok/s", f"saturated engine, 8 slots: Zipf / hot {ratio:.2f}")
+    bars_with_rounds(left, rates, "generated tok/s", f"saturated engine: Zipf / hot {ratio:.2f}")
     shares = {
         "hit rate\n(engine counter)": [r["hit rate"] for r in rounds[zipf]],
         "requests whose\nadapter was held": [r["requests held"] for r in rounds[zipf]],
     }
     bars_with_rounds(right, shares, "share of checks / of requests", f"host tier, {zipf}")
     right.set_ylim(0, 1.05)
+    save(fig, path)
+
+
+def rank_padding(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
+    ratios = {
+        name.removeprefix("max_lora_rank="): values for name, values in result["ratio_to_rank8"].items()
+    }
+    bars_with_rounds(
+        ax, ratios, "decode step, ratio to max_lora_rank 8", "rank-8 adapters under a larger max_lora_rank"
+    )
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("max_lora_rank")
     save(fig, path)
 
 

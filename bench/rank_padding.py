@@ -4,21 +4,24 @@ same batch without adapters. Each adapter takes its own pages of adapter memory 
 at rank 8) whatever max_lora_rank is; max_lora_rank sizes the memory and the steps' page tables
 (fixed-size slots used to pad every adapter up to it). The variants are stepped in turn, one
 decode step each, the order rotating: rounds of many steps drift by 10% between variants on 2
-cores.
+cores. A round is `steps` such steps of every variant; its figure per variant is the median
+step; the ratios are medians of per-round ratios.
 
-    .venv/bin/python -m bench.rank_padding [--steps 60]
+    .venv/bin/python -m bench.rank_padding [--repeats 3] [--steps 20]
 """
 
 import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
+from bench.report import markdown_table
 from inference_service.engine.adapter_memory import AdapterMemory, page_units, pages_needed
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
@@ -30,7 +33,9 @@ from shared.peft_checkpoint import load_peft_adapter
 SEQUENCES, ADAPTERS, ADAPTER_RANK, CONTEXT = 32, 8, 8, 64
 MAX_RANKS = (8, 16, 64)
 BASE = "base (no adapters)"
+RANK8 = "max_lora_rank=8"
 WARMUP_STEPS = 5  # per case, dropped
+STEPS = 20  # per case and round
 
 
 class DecodeCase:
@@ -77,48 +82,90 @@ def build_runner(
     return runner, slots
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=60)
-    args = parser.parse_args()
-    model_dir = default_model_dir()
+def rank_padding(
+    model_dir: Path, repeats: int = 3, progress: Callable[[str], None] = lambda line: None, steps: int = STEPS
+) -> dict:
+    """Every variant steps in turn; after WARMUP_STEPS dropped steps each, `repeats` rounds of
+    `steps` steps each."""
+    total = WARMUP_STEPS + repeats * steps
     with tempfile.TemporaryDirectory() as tmp:
         config = ModelConfig.from_dir(model_dir)
         adapter_dirs = [
             write_random_adapter(config, Path(tmp) / f"a{i}", ADAPTER_RANK, seed=i) for i in range(ADAPTERS)
         ]
-        built = {r: build_runner(model_dir, r, adapter_dirs, args.steps) for r in MAX_RANKS}
+        built = {r: build_runner(model_dir, r, adapter_dirs, total) for r in MAX_RANKS}
     runners = {r: runner for r, (runner, _) in built.items()}
     # grouped by adapter, as the engine orders a batch
     mixed = {r: sorted(slots[i % ADAPTERS] for i in range(SEQUENCES)) for r, (_, slots) in built.items()}
     allocators = {r: BlockAllocator(runner.num_blocks) for r, runner in runners.items()}
     with torch.inference_mode():
-        cases = {BASE: DecodeCase(runners[8], allocators[8], [-1] * SEQUENCES, args.steps)}
+        cases = {BASE: DecodeCase(runners[8], allocators[8], [-1] * SEQUENCES, total)}
         for r, runner in runners.items():
-            cases[f"max_lora_rank={r}"] = DecodeCase(runner, allocators[r], mixed[r], args.steps)
-        times = {name: [] for name in cases}
+            cases[f"max_lora_rank={r}"] = DecodeCase(runner, allocators[r], mixed[r], total)
         names = list(cases)
-        for step in range(args.steps):  # one step of each case in turn, the order rotating
-            for name in names[step % len(names) :] + names[: step % len(names)]:
-                times[name].append(cases[name].step())
-    report({name: samples[WARMUP_STEPS:] for name, samples in times.items()})
+        rounds: dict[str, list[float]] = {name: [] for name in cases}  # median seconds per step
+        for repeat in range(repeats + 1):
+            times: dict[str, list[float]] = {name: [] for name in cases}
+            for step in range(WARMUP_STEPS if repeat == 0 else steps):  # the order rotating
+                for name in names[step % len(names) :] + names[: step % len(names)]:
+                    times[name].append(cases[name].step())
+            if repeat:
+                medians = {name: statistics.median(t) for name, t in times.items()}
+                progress(f"round {repeat}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in medians.items()))
+                for name, seconds in medians.items():
+                    rounds[name].append(seconds)
+    return summary(rounds, repeats, steps)
 
 
-def report(times: dict[str, list[float]]) -> None:
-    """Median ms per step; each variant against the base model and against max_lora_rank=8."""
-    median = {name: statistics.median(samples) for name, samples in times.items()}
-    print(
-        f"decode, {SEQUENCES} sequences, {ADAPTERS} distinct rank-{ADAPTER_RANK} all-linear adapters, "
-        f"medians of {len(times[BASE])} steps per case, cases stepped in turn; "
-        f"torch threads {torch.get_num_threads()}"
+def summary(rounds: dict[str, list[float]], repeats: int, steps: int) -> dict:
+    """Median ms per step of each variant; against the base model and against max_lora_rank=8 as
+    medians of per-round ratios."""
+
+    def ratios(to: str, name: str) -> list[float]:
+        return [b / a for a, b in zip(rounds[name], rounds[to], strict=True)]
+
+    table = []
+    for name, seconds in rounds.items():
+        step = statistics.median(seconds)
+        row = {"variant": name, "ms / step": round(step * 1e3, 1), "tok/s": round(SEQUENCES / step, 1)}
+        row["ratio to base"] = round(statistics.median(ratios(BASE, name)), 3)
+        if name != BASE:
+            to_rank8 = ratios(RANK8, name)
+            row["ratio to max_lora_rank=8"] = round(statistics.median(to_rank8), 3)
+            row["rounds min..max"] = f"{min(to_rank8):.3f} .. {max(to_rank8):.3f}"
+        table.append(row)
+    return {
+        "setup": setup(repeats, steps),
+        "table": table,
+        "rounds": rounds,
+        "ratio_to_rank8": {name: ratios(RANK8, name) for name in rounds if name != BASE},
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def setup(repeats: int, steps: int) -> str:
+    return (
+        f"Default model on the CPU, float32: one decode step of {SEQUENCES} sequences (context "
+        f"{CONTEXT} tokens) over {ADAPTERS} distinct random rank-{ADAPTER_RANK} all-linear adapters, "
+        f"grouped by adapter as the engine orders a batch, on a ModelRunner whose max_lora_rank is "
+        f"{', '.join(map(str, MAX_RANKS))}, beside the same batch without adapters. Each adapter "
+        f"takes its own pages of adapter memory whatever max_lora_rank is; max_lora_rank sizes the "
+        f"memory and the steps' page tables. The variants take one step each in turn, the order "
+        f"rotating, after {WARMUP_STEPS} dropped steps each; medians of {repeats} rounds of {steps} "
+        f"steps per variant, ratios the medians of per-round ratios"
     )
-    print(f"{'variant':<22} {'ms/step':>8} {'tok/s':>8} {'vs base':>8} {'vs rank 8':>9}")
-    for name, seconds in median.items():
-        vs_rank8 = "" if name == BASE else f"{median['max_lora_rank=8'] / seconds:9.3f}"
-        rate, vs_base = SEQUENCES / seconds, median[BASE] / seconds
-        print(f"{name:<22} {seconds * 1e3:8.1f} {rate:8.0f} {vs_base:8.3f} {vs_rank8}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    result = rank_padding(default_model_dir(), args.repeats, print, args.steps)
+    print(result["setup"] + f"; torch threads {result['torch_threads']}.")
+    print(markdown_table(result["table"]))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from bench import (
     hf_peft,
     many_adapters,
     plots,
+    rank_padding,
     scaling,
     slot_activation,
     store_register,
@@ -73,7 +74,8 @@ BENCHMARKS = (
     Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead, 3),
     Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading, 5),
     Benchmark("cold_starts", "Cold starts", cold_starts.cold_starts, plots.cold_starts, 3),
-    Benchmark("many_adapters", "Many adapters", many_adapters.many_adapters, plots.many_adapters, 2),
+    Benchmark("many_adapters", "Many adapters", many_adapters.many_adapters, plots.many_adapters, 3),
+    Benchmark("rank_padding", "Rank padding", rank_padding.rank_padding, plots.rank_padding, 3),
     Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 1),
 )
 
