@@ -1,7 +1,8 @@
-"""Many adapters: generated tokens/s of a saturated engine whose requests name 1,000 registered
-adapters of ranks 8 to 64 with Zipf(1.0) popularity, against the same requests over 8 hot
-adapters, on the default model, in the adapter memory 8 rank-16 slots on every module took;
-with the host tier's hit rate, the adapter loads and the activations of each run.
+"""Many adapters: generated tokens/s of a saturated engine (its queue kept 2 x max_num_seqs deep)
+whose requests name 1,000 registered adapters of ranks 8 to 64 with Zipf(1.0) popularity, against
+the same requests over 8 hot adapters, on the default model, in the adapter memory 8 rank-16
+slots on every module took; beside it the whole round's rate (its queue draining out at the end),
+the host tier's hit rate, the adapter loads and the activations of each run.
 
 Every adapter is registered by name -> folder only; the host tier loads (validates, optimizes)
 one from disk in the background when a request first names it, and keeps the 64 most recently
@@ -15,6 +16,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,8 +34,9 @@ from shared.model_config import ModelConfig
 
 ADAPTERS, HOT, ZIPF_S = 1000, 8, 1.0
 RANKS, TARGETS = (8, 16, 32, 64), ("q_proj", "v_proj")  # each adapter's rank drawn from RANKS
-REQUESTS, PROMPT, MIN_NEW, MAX_NEW = 128, 16, 16, 32
+REQUESTS, PROMPT, MIN_NEW, MAX_NEW = 192, 16, 16, 32
 MAX_LORA_RANK, MAX_CPU_LORAS, MAX_NUM_SEQS = max(RANKS), 64, 32
+QUEUE = 2 * MAX_NUM_SEQS  # requests kept waiting beyond the running ones while a round submits
 MEMORY_OF = (8, 16)  # adapter memory: what this many slots of this rank took on every module
 ZIPF, HOT_CASE = f"{ADAPTERS:,} adapters, Zipf({ZIPF_S})", f"{HOT} hot adapters"
 
@@ -103,30 +106,41 @@ def counters(engine: Engine) -> dict[str, float]:
     }
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    start_s: float  # since the round's first submit
+    end_s: float
+    tokens: int
+    adapters: tuple[str, ...]  # the adapter of each request that got tokens
+    saturated: bool  # requests were still left to submit: the queue stayed QUEUE deep
+
+
 def run(engine: Engine, adapters: list[str], load: Workload) -> dict[str, float]:
-    """Submit every request at once and step the engine until all have finished."""
+    """Keep QUEUE requests waiting beyond the max_num_seqs running (one submitted as each ends)
+    until every request is submitted, then step the engine until all have ended."""
     held = set(engine.held_digests())  # adapter names ready in the host tier
     before = counters(engine)
-    emitted: list[str] = []  # the adapter of each request that got a token in the current step
-    for adapter, prompt, n in zip(adapters, load.prompts, load.new_tokens, strict=True):
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        engine.submit(Request(prompt, adapter, params), recorder(emitted, adapter))
-    batches, distinct, idle = [], [], 0.0
-    start = time.perf_counter()
-    while engine.has_work:
-        step_start = time.perf_counter()
+    todo = deque(zip(adapters, load.prompts, load.new_tokens, strict=True))
+    seen: list[tuple[str, int, bool]] = []  # (adapter, tokens, ended) of each delta of the step
+    steps: list[StepRecord] = []
+    in_flight, start = 0, time.perf_counter()
+    while todo or engine.has_work:
+        while todo and in_flight < MAX_NUM_SEQS + QUEUE:
+            adapter, prompt, n = todo.popleft()
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            engine.submit(Request(prompt, adapter, params), recorder(seen, adapter))
+            in_flight += 1
+        step_start = time.perf_counter() - start
         engine.step()
-        if emitted:  # a prompt fits one step, so every request that ran got a token
-            batches.append(len(emitted))
-            distinct.append(len(set(emitted)))
-        else:  # nothing ran: every waiting request waits for a load
-            idle += time.perf_counter() - step_start
-        emitted.clear()
-    seconds = time.perf_counter() - start
+        ran = tuple(adapter for adapter, tokens, _ in seen if tokens)
+        tokens = sum(tokens for _, tokens, _ in seen)
+        steps.append(StepRecord(step_start, time.perf_counter() - start, tokens, ran, bool(todo)))
+        in_flight -= sum(ended for *_, ended in seen)
+        seen.clear()
     delta = {key: value - before[key] for key, value in counters(engine).items()}
     return {
-        "tok/s": delta["tokens"] / seconds,
-        "seconds": seconds,
+        **window([s for s in steps if s.saturated], ""),
+        **window(steps, "round "),
         "hit rate": delta["hits"] / (delta["hits"] + delta["misses"]),
         "requests held": sum(a in held for a in adapters) / len(adapters),
         "loads": delta["misses"],  # every miss starts one load
@@ -135,14 +149,25 @@ def run(engine: Engine, adapters: list[str], load: Workload) -> dict[str, float]
         "activations": delta["activations"],
         "host evictions": delta["host evictions"],
         "load ms": 1e3 * delta["load seconds"] / max(delta["misses"], 1),
-        "running per step": statistics.mean(batches),
-        "adapters per step": statistics.mean(distinct),
-        "idle s": idle,
+        "idle s": sum(s.end_s - s.start_s for s in steps if not s.adapters),
     }
 
 
-def recorder(emitted: list[str], adapter: str) -> Callable[[Delta], None]:
-    return lambda delta: emitted.append(adapter) if delta.token_ids else None
+def window(steps: list[StepRecord], prefix: str) -> dict[str, float]:
+    """tok/s over the steps (from the round's first submit to the last one's end), requests that
+    got tokens and their distinct adapters per step that ran any (a prompt fits one step, so
+    every running request gets a token; a step that ran none waited for loads)."""
+    ran = [s for s in steps if s.adapters]
+    return {
+        f"{prefix}tok/s": sum(s.tokens for s in steps) / steps[-1].end_s,
+        f"{prefix}seconds": steps[-1].end_s,
+        f"{prefix}running per step": statistics.mean(len(s.adapters) for s in ran),
+        f"{prefix}adapters per step": statistics.mean(len(set(s.adapters)) for s in ran),
+    }
+
+
+def recorder(seen: list[tuple[str, int, bool]], adapter: str) -> Callable[[Delta], None]:
+    return lambda delta: seen.append((adapter, len(delta.token_ids), delta.finish_reason is not None))
 
 
 def many_adapters(
@@ -172,26 +197,38 @@ def many_adapters(
 
 def brief(result: dict[str, float]) -> str:
     return (
-        f"{result['tok/s']:.1f} tok/s in {result['seconds']:.1f} s, hit rate {result['hit rate']:.3f}, "
+        f"{result['tok/s']:.1f} tok/s saturated ({result['round tok/s']:.1f} over the whole "
+        f"{result['round seconds']:.1f} s), hit rate {result['hit rate']:.3f}, "
         f"{result['loads']} loads ({result['reloads']} repeated, {result['load ms']:.0f} ms each), "
-        f"{result['activations']} activations, "
-        f"{result['running per step']:.1f} running over {result['adapters per step']:.1f} adapters "
-        f"per step, {result['idle s']:.2f} s idle"
+        f"{result['activations']} activations, {result['running per step']:.1f} running over "
+        f"{result['adapters per step']:.1f} adapters per saturated step "
+        f"({result['round running per step']:.1f} over the round), {result['idle s']:.2f} s idle"
     )
 
 
 def summary(rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict:
-    """Medians over rounds; the Zipf case's ratio to hot is the median of per-round ratios."""
-    ratios = [z["tok/s"] / h["tok/s"] for z, h in zip(rounds[ZIPF], rounds[HOT_CASE], strict=True)]
+    """Medians over rounds; the Zipf case's ratios to hot are medians of per-round ratios."""
+    ratios = {
+        key: [z[key] / h[key] for z, h in zip(rounds[ZIPF], rounds[HOT_CASE], strict=True)]
+        for key in ("tok/s", "round tok/s", "running per step")
+    }
 
     def median(case: str, key: str, digits: int = 1) -> float:
         return round(statistics.median(r[key] for r in rounds[case]), digits)
 
+    def ratio(case: str, key: str) -> float:
+        return round(statistics.median(ratios[key]), 3) if case == ZIPF else 1.0
+
     table = [
         {
             "case": case,
-            "tok/s": median(case, "tok/s"),
-            "ratio to hot": round(statistics.median(ratios), 3) if case == ZIPF else 1.0,
+            "tok/s, saturated": median(case, "tok/s"),
+            "ratio to hot": ratio(case, "tok/s"),
+            "running / step": median(case, "running per step"),
+            "its ratio to hot": ratio(case, "running per step"),
+            "adapters / step": median(case, "adapters per step"),
+            "tok/s, whole round": median(case, "round tok/s"),
+            "whole round, ratio to hot": ratio(case, "round tok/s"),
             "host-tier hit rate": median(case, "hit rate", 3),
             "requests whose adapter was held": median(case, "requests held", 3),
             "distinct adapters": median(case, "distinct adapters"),
@@ -199,8 +236,6 @@ def summary(rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict:
             "repeated loads": median(case, "reloads"),
             "ms / load": median(case, "load ms"),
             "activations": median(case, "activations"),
-            "running / step": median(case, "running per step"),
-            "adapters / step": median(case, "adapters per step"),
             "idle s": median(case, "idle s", 2),
         }
         for case in rounds
@@ -209,7 +244,8 @@ def summary(rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict:
         "setup": setup(repeats),
         "table": table,
         "rounds": rounds,
-        "ratio_to_hot": ratios,
+        "ratio_to_hot": ratios["tok/s"],
+        "round_ratio_to_hot": ratios["round tok/s"],
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -225,24 +261,27 @@ def setup(repeats: int) -> str:
         f"paging), max_lora_rank={MAX_LORA_RANK}, "
         f"max_cpu_loras={MAX_CPU_LORAS} adapters in the host tier, max_num_seqs={MAX_NUM_SEQS}. "
         f"A round is {REQUESTS} requests, each a {PROMPT}-token random prompt and {MIN_NEW}..{MAX_NEW} "
-        f"new tokens (greedy, EOS ignored), all submitted at once: a saturated server, whose "
-        f"throughput is its capacity, with a queue deeper than max_num_seqs, which is what lets the "
-        f"scheduler fill a step with requests whose adapters are in device memory. The Zipf case draws each "
-        f"request's adapter with p(k) proportional to 1/k over the {ADAPTERS:,}; the hot case sends "
-        f"the same prompts and lengths to the {HOT} most popular adapters in turn. tok/s is generated "
-        f"tokens over the wall time from the first submit to the last token, background loads "
-        f"included. The host-tier hit rate is the engine's counter, hits / (hits + misses), which "
+        f"new tokens (greedy, EOS ignored), submitted so that {QUEUE} wait beyond the {MAX_NUM_SEQS} "
+        f"running (one more as each ends) until all are submitted: a saturated server, whose queue "
+        f"deeper than max_num_seqs lets the scheduler fill a step with requests whose adapters are in "
+        f"device memory. The Zipf case draws each request's adapter with p(k) proportional to 1/k over "
+        f"the {ADAPTERS:,}; the hot case sends the same prompts and lengths to the {HOT} most popular "
+        f"adapters in turn. Saturated tok/s is the tokens generated from the first submit to the end "
+        f"of the last step run while requests were left to submit, over that time, background loads "
+        f"included; the whole round adds the last {MAX_NUM_SEQS + QUEUE} requests draining out, when "
+        f"the queue empties (the Zipf case ends on requests of rare adapters, which wait for adapter "
+        f"memory while those of resident adapters go ahead). Running / step and adapters / step count "
+        f"the requests that got a token in a saturated step and their distinct adapters, averaged "
+        f"over steps. The host-tier hit rate is the engine's counter, hits / (hits + misses), which "
         f"counts every admission check (a request waiting for device memory counts a hit at each step "
         f"it waits); 'requests whose adapter was held' is the share of requests whose adapter was ready "
         f"in the host tier when the round began. Repeated loads are loads beyond one per adapter that "
-        f"was not held; ms / load is a load's mean time on its thread. Running / step and "
-        f"adapters / step count the requests that got a token in a step and their distinct "
-        f"adapters, averaged over steps; idle s is the time of steps in which nothing could run. "
-        f"Each case has its own engine, built once: a dropped warm-up round (the same requests cut "
-        f"to 1 new token) loads the hot adapters and starts filling the Zipf host tier, and each "
-        f"timed round (new Zipf draws) finds the host tier as the rounds before left "
-        f"it, a running server's steady state. Medians of {repeats} rounds, each running both cases "
-        f"back to back, the first case alternating."
+        f"was not held; ms / load is a load's mean time on its thread; idle s is the time of steps in "
+        f"which nothing could run. Each case has its own engine, built once: a dropped warm-up round "
+        f"(the same requests cut to 1 new token) loads the hot adapters and starts filling the Zipf "
+        f"host tier, and each timed round (new Zipf draws) finds the host tier as the rounds before "
+        f"left it, a running server's steady state. Medians of {repeats} rounds, each running both "
+        f"cases back to back, the first case alternating."
     )
 
 

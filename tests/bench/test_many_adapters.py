@@ -1,6 +1,19 @@
 from collections import Counter
 
-from bench.many_adapters import HOT, HOT_CASE, MAX_NEW, MIN_NEW, PROMPT, REQUESTS, ZIPF, workload, zipf_draws
+from bench.many_adapters import (
+    HOT,
+    HOT_CASE,
+    MAX_NEW,
+    MIN_NEW,
+    PROMPT,
+    REQUESTS,
+    ZIPF,
+    StepRecord,
+    summary,
+    window,
+    workload,
+    zipf_draws,
+)
 
 
 def test_zipf_draws_repeat_for_a_seed_and_differ_across_seeds():
@@ -24,3 +37,37 @@ def test_both_cases_send_the_same_prompts_and_lengths():
     assert set(load.adapters[HOT_CASE]) == {f"a{i}" for i in range(HOT)}
     assert len(load.adapters[ZIPF]) == REQUESTS
     assert len(set(load.adapters[ZIPF])) > HOT
+
+
+def test_a_window_counts_its_steps_tokens_over_the_time_to_its_last_step():
+    steps = [
+        StepRecord(0.0, 1.0, 4, ("a0", "a0", "a1", "a2"), saturated=True),
+        StepRecord(1.0, 1.5, 0, (), saturated=True),  # waited for a load
+        StepRecord(1.5, 2.0, 2, ("a1", "a1"), saturated=True),
+    ]
+    assert window(steps, "round ") == {
+        "round tok/s": 3.0,
+        "round seconds": 2.0,
+        "round running per step": 3.0,  # the step that ran nothing is not averaged in
+        "round adapters per step": 2.0,
+    }
+
+
+def test_the_saturated_window_ends_where_requests_were_no_longer_left_to_submit():
+    rounds = {ZIPF: [], HOT_CASE: []}
+    for case, tail in ((ZIPF, 1), (HOT_CASE, 2)):  # the hot case drains twice as fast
+        for seconds in (1.0, 2.0, 1.0):
+            steps = [StepRecord(0.0, seconds, 32, ("a0",) * 32, saturated=True)]
+            steps.append(StepRecord(seconds, seconds + 2 / tail, 8, ("a1",) * 8, saturated=False))
+            rounds[case].append(run_figures(steps))
+    rows = {row["case"]: row for row in summary(rounds, repeats=3)["table"]}
+    assert rows[ZIPF]["ratio to hot"] == 1.0 and rows[ZIPF]["running / step"] == 32.0
+    assert rows[ZIPF]["whole round, ratio to hot"] == round((40 / 3) / (40 / 2), 3)
+    assert rows[HOT_CASE]["tok/s, saturated"] == 32.0 and rows[HOT_CASE]["tok/s, whole round"] == 20.0
+
+
+def run_figures(steps: list[StepRecord]) -> dict[str, float]:
+    """What `run` returns for these steps, without an engine (counters all 1)."""
+    counters = ("hit rate", "requests held", "loads", "reloads", "distinct adapters", "activations")
+    figures = {key: 1.0 for key in (*counters, "host evictions", "load ms", "idle s")}
+    return {**window([s for s in steps if s.saturated], ""), **window(steps, "round "), **figures}
