@@ -25,7 +25,6 @@ from bench import (
     grpc_serving,
     hf_peft,
     many_adapters,
-    plots,
     rank_padding,
     scaling,
     slot_activation,
@@ -33,6 +32,16 @@ from bench import (
 )
 from bench.cache import default_model_dir
 from bench.report import write_atomic, write_report
+
+try:
+    from bench import plots
+except ModuleNotFoundError as e:
+    if (e.name or "").partition(".")[0] != "matplotlib":
+        raise
+    raise SystemExit(
+        "bench.suite draws its plots with matplotlib, which is not installed: run `make bench`, or "
+        "install the bench extra with .venv/bin/pip install -e '.[bench]'"
+    ) from None
 
 Progress = Callable[[str], None]
 ADAPTER_COUNTS = (0, 1, 8, 32)
