@@ -132,9 +132,9 @@ def run(engine: Engine, adapters: list[str], load: Workload) -> dict[str, float]
             in_flight += 1
         step_start = time.perf_counter() - start
         engine.step()
-        ran = tuple(adapter for adapter, tokens, _ in seen if tokens)
-        tokens = sum(tokens for _, tokens, _ in seen)
-        steps.append(StepRecord(step_start, time.perf_counter() - start, tokens, ran, bool(todo)))
+        ran = tuple(adapter for adapter, n, _ in seen if n)
+        step_tokens = sum(n for _, n, _ in seen)
+        steps.append(StepRecord(step_start, time.perf_counter() - start, step_tokens, ran, bool(todo)))
         in_flight -= sum(ended for *_, ended in seen)
         seen.clear()
     delta = {key: value - before[key] for key, value in counters(engine).items()}
