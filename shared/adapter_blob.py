@@ -20,6 +20,7 @@ from safetensors.torch import load, save
 
 from shared.errors import FailedPrecondition, quoted
 from shared.model_config import MODULE_PARENTS, LinearShape, ModelConfig
+from shared.nonfinite import first_nonfinite
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 FORMAT = "loramux-adapter/2"
@@ -242,9 +243,9 @@ def _tensors(blob: bytes, where: str) -> dict[str, torch.Tensor]:
         raise FailedPrecondition(
             f"{where}: the blob's tensor data does not match its safetensors header (offsets or sizes)"
         ) from None
-    for name, tensor in tensors.items():
-        if not torch.isfinite(tensor).all():
-            raise FailedPrecondition(f"{where}: tensor {name} contains NaN or Inf values")
+    bad = first_nonfinite(tensors)
+    if bad is not None:
+        raise FailedPrecondition(f"{where}: tensor {bad} contains NaN or Inf values")
     return tensors
 
 

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.model_config import MODULE_PARENTS, ModelConfig
+from shared.nonfinite import first_nonfinite
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -126,11 +127,13 @@ def load_peft_adapter(
     tensors = _read_tensors(adapter_dir, where)
     pairs = _pair_tensors(tensors, where)
     _check_targets(config, pairs, model, where)
+    _check_values(pairs, where)
     modules = {
         key: _module(config, key, a, b, model, max_rank, dtype, where) for key, (a, b) in pairs.items()
     }
     if not modules:
         raise InvalidArgument(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    _check_serving_values(modules, dtype, where)
     return AdapterWeights(
         rank=max(m.a.shape[0] for m in modules.values()),
         alpha=config.alpha,
@@ -267,15 +270,6 @@ def _module(
     layer, module = key
     label = f"{where}: layers.{layer}.{module}"
     module_key = _module_key(layer, module)
-    for half, t in (("lora_A", a), ("lora_B", b)):
-        if t.dtype not in CHECKPOINT_DTYPES:
-            raise InvalidArgument(
-                f"{label}.{half} has dtype {t.dtype}; float16, bfloat16 or float32 expected"
-            )
-        if t.dim() != 2:
-            raise InvalidArgument(f"{label}.{half} has shape {tuple(t.shape)}, a matrix expected")
-        if not torch.isfinite(t).all():
-            raise InvalidArgument(f"{label}.{half} contains NaN or Inf values")
     rank = a.shape[0]
     _check_shapes(label, a, b, model.linear_shapes()[module] if model else None)
     if rank != config.expected_rank(module_key):
@@ -286,6 +280,38 @@ def _module(
         raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
     b_scaled = b.float() * config.scaling(module_key, rank)  # [out, rank]
     return ModuleLora(a=a.to(dtype).contiguous(), b_t=b_scaled.t().to(dtype).contiguous())
+
+
+def _check_values(pairs: dict[tuple[int, str], tuple], where: str) -> None:
+    """Every half a float matrix holding no NaN or Inf (checked for all halves at once)."""
+    halves = {}
+    for (layer, module), (a, b) in pairs.items():
+        for half, t in (("lora_A", a), ("lora_B", b)):
+            label = f"layers.{layer}.{module}.{half}"
+            if t.dtype not in CHECKPOINT_DTYPES:
+                raise InvalidArgument(
+                    f"{where}: {label} has dtype {t.dtype}; float16, bfloat16 or float32 expected"
+                )
+            if t.dim() != 2:
+                raise InvalidArgument(f"{where}: {label} has shape {tuple(t.shape)}, a matrix expected")
+            halves[label] = t
+    bad = first_nonfinite(halves)
+    if bad is not None:
+        raise InvalidArgument(f"{where}: {bad} contains NaN or Inf values")
+
+
+def _check_serving_values(modules: dict[tuple[int, str], ModuleLora], dtype: torch.dtype, where: str) -> None:
+    """Finite weights can still overflow once B is scaled or cast to a narrower serving dtype;
+    refused here, they would otherwise turn every request's logits to NaN."""
+    halves = {}
+    for (layer, module), m in modules.items():
+        halves[f"layers.{layer}.{module}.lora_A"], halves[f"layers.{layer}.{module}.lora_B"] = m.a, m.b_t
+    bad = first_nonfinite(halves)
+    if bad is not None:
+        raise InvalidArgument(
+            f"{where}: {bad} overflows {str(dtype).removeprefix('torch.')} once scaled by "
+            "lora_alpha / r and cast to this server's dtype"
+        )
 
 
 def _check_shapes(label: str, a: torch.Tensor, b: torch.Tensor, shape) -> None:

@@ -134,6 +134,16 @@ def test_non_finite_values_are_refused(adapter, model_config, bad):
         _load(adapter, model_config)
 
 
+def test_weights_that_overflow_the_serving_dtype_once_scaled_are_refused(adapter, model_config):
+    def large(t):  # finite in the checkpoint's float32, past float16's 65504 once doubled
+        t[f"{PREFIX}.self_attn.v_proj.lora_B.weight"][0, 0] = 40000.0
+
+    _edit_tensors(adapter, large)
+    assert _load(adapter, model_config).modules[(0, "v_proj")].b_t[0, 0] == 80000.0  # float32 serves it
+    with pytest.raises(InvalidArgument, match=r"layers.0.v_proj.lora_B overflows float16 once scaled"):
+        load_peft_adapter("legal", adapter, model_config, 16, torch.float16)
+
+
 def test_unpaired_and_foreign_tensors_are_refused(adapter, model_config):
     _edit_tensors(adapter, lambda t: t.pop(f"{PREFIX}.self_attn.q_proj.lora_B.weight"))
     with pytest.raises(InvalidArgument, match=r"layers.0.q_proj has no lora_B weight"):
