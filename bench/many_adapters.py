@@ -27,6 +27,7 @@ import torch
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from bench.report import markdown_table
+from inference_service.adapters.host_tier import LOAD_THREADS
 from inference_service.engine import Delta, Engine, EngineConfig, Request
 from inference_service.engine.adapter_memory import slot_memory
 from inference_service.sampling import SamplingParams
@@ -255,8 +256,8 @@ def setup(repeats: int) -> str:
         f"Default model on the CPU, float32. {ADAPTERS:,} random PEFT adapters of distinct content, "
         f"each of a rank drawn uniformly from {RANKS} on {' and '.join(TARGETS)} of every layer, "
         f"written to a temporary folder (so read from the page cache) and registered by name and "
-        f"folder only: the host tier loads one (read, validate, optimize) on its 2 background threads "
-        f"when a request first names it. Engine: adapter memory of {MEMORY_OF[0]} rank-{MEMORY_OF[1]} "
+        f"folder only: the host tier loads one (read, validate, optimize) on its {LOAD_THREADS} background "
+        f"threads when a request first names it. Engine: adapter memory of {MEMORY_OF[0]} rank-{MEMORY_OF[1]} "
         f"adapters on every module (what {MEMORY_OF[0]} slots of rank {MEMORY_OF[1]} took before "
         f"paging), max_lora_rank={MAX_LORA_RANK}, "
         f"max_cpu_loras={MAX_CPU_LORAS} adapters in the host tier, max_num_seqs={MAX_NUM_SEQS}. "

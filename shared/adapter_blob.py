@@ -166,11 +166,12 @@ def _tensor_shapes(header: dict, declared: _Declared, model: ModelConfig | None,
         pairs.setdefault((layer, module), {})[half] = _tensor_shape(name, entry, where)
     if not pairs:
         raise FailedPrecondition(f"{where}: the blob holds no LoRA tensors")
+    shapes = model.linear_shapes() if model else {}
     for (layer, module), pair in pairs.items():
         missing = {"lora_a", "lora_b_t"} - pair.keys()
         if missing:
             raise FailedPrecondition(f"{where}: layers.{layer}.{module} has no {missing.pop()} tensor")
-        _check_module(f"{where}: layers.{layer}.{module}", pair, model and model.linear_shapes()[module])
+        _check_module(f"{where}: layers.{layer}.{module}", pair, shapes.get(module))
     return pairs
 
 

@@ -10,6 +10,8 @@ from typing import Protocol
 from shared import adapter_blob
 from shared.peft_checkpoint import AdapterWeights
 
+LOAD_THREADS = 4  # loads in flight at once: one stalled fetch must not block the rest
+
 
 class AdapterLoader(Protocol):
     """Where adapters come from: local PEFT folders (LocalAdapterLoader) or the adapter store
@@ -64,7 +66,7 @@ class HostTier:
         loader: AdapterLoader,
         pin_memory: bool,
         on_done: Callable[[], None] = lambda: None,
-        threads: int = 4,  # loads in flight at once: one stalled fetch must not block the rest
+        threads: int = LOAD_THREADS,
     ):
         self.capacity = capacity
         self._loader = loader
