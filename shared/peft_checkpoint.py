@@ -309,8 +309,8 @@ def _check_serving_values(modules: dict[tuple[int, str], ModuleLora], dtype: tor
     bad = first_nonfinite(halves)
     if bad is not None:
         raise InvalidArgument(
-            f"{where}: {bad} overflows {str(dtype).removeprefix('torch.')} once scaled by "
-            "lora_alpha / r and cast to this server's dtype"
+            f"{where}: {bad} overflows {str(dtype).removeprefix('torch.')} once scaled (lora_alpha "
+            "over the rank) and cast to this server's dtype"
         )
 
 
