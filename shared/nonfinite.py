@@ -16,5 +16,5 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     if not tensors:
         return None
     sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors.values()])  # [tensors]
-    suspects = (item for item, ok in zip(tensors.items(), sums.isfinite().tolist()) if not ok)
+    suspects = (item for item, ok in zip(tensors.items(), sums.isfinite().tolist(), strict=True) if not ok)
     return next((name for name, t in suspects if not torch.isfinite(t).all()), None)
