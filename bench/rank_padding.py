@@ -22,7 +22,8 @@ import torch
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from bench.report import markdown_table
-from inference_service.engine.adapter_memory import AdapterMemory, page_units, pages_needed
+from inference_service.adapters.adapter_image import AdapterImage
+from inference_service.engine.adapter_memory import AdapterMemory, page_units
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
@@ -76,8 +77,9 @@ def build_runner(
     slots = []
     for folder in adapter_dirs:
         weights = load_peft_adapter(folder.name, folder, runner.model_config, max_rank, torch.float32)
-        slot, _ = memory.acquire(folder.name, pages_needed(weights))
-        runner.load_slot(slot, weights, memory.pages(slot))
+        image = AdapterImage.of(weights, runner.model_config, torch.float32)
+        slot, _ = memory.acquire(folder.name, image.need)
+        runner.load_slot(slot, image, memory.pages(slot))
         slots.append(slot)
     return runner, slots
 

@@ -1,8 +1,8 @@
 """Activation of a ready adapter: copying a rank-16 all-linear adapter of the default model from
 the host tier into its pages of device adapter memory (placed by AdapterMemory, copied by
-ModelRunner.load_slot, which zeroes the pages first), beside a plain copy of the same tensors
-into preallocated buffers. The two alternate, so both see the same machine state; p50 and p99
-over many activations.
+ModelRunner.load_slot from the adapter's image, one copy per page of every layer), beside a
+plain copy of the same tensors into preallocated buffers. The two alternate, so both see the same
+machine state; p50 and p99 over many activations.
 
     .venv/bin/python -m bench.slot_activation [--activations 50]
 """
@@ -17,17 +17,18 @@ import torch
 
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
-from inference_service.engine.adapter_memory import AdapterMemory, page_units, pages_needed
+from inference_service.adapters.adapter_image import AdapterImage
+from inference_service.engine.adapter_memory import AdapterMemory, page_units
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
-from shared.peft_checkpoint import AdapterWeights, load_peft_adapter
+from shared.peft_checkpoint import load_peft_adapter
 
 RANK = 16
 
 
-def raw_copy(weights: AdapterWeights):
-    """A function copying every tensor of `weights` into buffers allocated once."""
-    sources = [t for m in weights.modules.values() for t in (m.a, m.b_t)]
+def raw_copy(image: AdapterImage):
+    """A function copying every tensor of `image` into buffers allocated once."""
+    sources = list(image.pages)
     targets = [torch.empty_like(t) for t in sources]
 
     def copy() -> None:
@@ -55,21 +56,22 @@ def slot_activation(model_dir: Path, activations: int = 50) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_adapter(runner.model_config, Path(tmp) / "r16", RANK, seed=0)
         weights = load_peft_adapter("r16", folder, runner.model_config, RANK, runner.config.torch_dtype)
+    image = AdapterImage.of(weights, runner.model_config, runner.config.torch_dtype)
     memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
-    slot, _ = memory.acquire("r16", pages_needed(weights))
+    slot, _ = memory.acquire("r16", image.need)
     pages = memory.pages(slot)
-    copy = raw_copy(weights)
+    copy = raw_copy(image)
     times: dict[str, list[float]] = {"activate": [], "raw copy": []}
     for i in range(activations + 1):  # the first pair warms up and is dropped
-        activate, raw = timed(lambda: runner.load_slot(slot, weights, pages)), timed(copy)
+        activate, raw = timed(lambda: runner.load_slot(slot, image, pages)), timed(copy)
         if i:
             times["activate"].append(activate)
             times["raw copy"].append(raw)
-    return summary(times, weights, runner.device.type)
+    return summary(times, image, runner.device.type)
 
 
-def summary(times: dict[str, list[float]], weights: AdapterWeights, device: str) -> dict:
-    size = sum(t.numel() * t.element_size() for m in weights.modules.values() for t in (m.a, m.b_t))
+def summary(times: dict[str, list[float]], image: AdapterImage, device: str) -> dict:
+    size = sum(pages.numel() * pages.element_size() for pages in image.pages)
     activate, raw = percentiles(times["activate"]), percentiles(times["raw copy"])
     table = [
         {
@@ -85,8 +87,8 @@ def summary(times: dict[str, list[float]], weights: AdapterWeights, device: str)
         "setup": (
             f"a rank-{RANK} all-linear adapter of the default model ({size / 1e6:.1f} MB in the serving "
             f"dtype) copied from host memory into its pages of {device} adapter memory by "
-            f"ModelRunner.load_slot (pages zeroed first), alternating with a plain copy of the same "
-            f"tensors; {len(times['activate'])} of each"
+            f"ModelRunner.load_slot (one copy per page of every layer, from the adapter's image), "
+            f"alternating with a plain copy of the same tensors; {len(times['activate'])} of each"
         ),
         "table": table,
         "seconds": times,

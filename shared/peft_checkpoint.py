@@ -4,7 +4,7 @@ weights ready to serve: per (layer, module) A and B with the scaling merged into
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -73,12 +73,6 @@ class ModuleLora:
     a: torch.Tensor  # [rank, in]
     b_t: torch.Tensor  # [rank, out]: PEFT's lora_B transposed, scaling merged
 
-    def pin_memory(self) -> "ModuleLora":
-        return ModuleLora(self.a.pin_memory(), self.b_t.pin_memory())
-
-    def to(self, dtype: torch.dtype) -> "ModuleLora":
-        return ModuleLora(self.a.to(dtype), self.b_t.to(dtype))
-
 
 @dataclass(frozen=True)
 class AdapterWeights:
@@ -94,13 +88,6 @@ class AdapterWeights:
         for (_, module), m in self.modules.items():
             ranks[module] = max(ranks.get(module, 0), m.a.shape[0])
         return ranks
-
-    def pin_memory(self) -> "AdapterWeights":
-        """A copy in page-locked host memory, so copies to the device from it run async."""
-        return replace(self, modules={key: m.pin_memory() for key, m in self.modules.items()})
-
-    def to(self, dtype: torch.dtype) -> "AdapterWeights":
-        return replace(self, modules={key: m.to(dtype) for key, m in self.modules.items()})
 
     def check_fits(self, name: str, model: ModelConfig) -> None:
         """Refuse weights shaped for another base model (a store may serve several)."""

@@ -7,7 +7,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import torch
+
+from inference_service.adapters.adapter_image import AdapterImage
 from shared import adapter_blob
+from shared.model_config import ModelConfig
 from shared.peft_checkpoint import AdapterWeights
 
 LOAD_THREADS = 4  # loads in flight at once: one stalled fetch must not block the rest
@@ -31,13 +35,15 @@ class AdapterLoader(Protocol):
 class ReadyAdapter:
     name: str
     digest: str  # content identity: a re-registered name with new weights gets a new digest
-    weights: AdapterWeights
+    image: AdapterImage
 
     @classmethod
-    def of(cls, name: str, weights: AdapterWeights) -> "ReadyAdapter":
-        """Digest computed here, from the wire encoding; a loader that already knows the
-        blob's digest (the store's) builds ReadyAdapter directly and saves the encode."""
-        return cls(name, adapter_blob.digest(adapter_blob.encode(weights)), weights)
+    def of(cls, name: str, weights: AdapterWeights, model: ModelConfig, dtype: torch.dtype) -> "ReadyAdapter":
+        """Digest computed here, from the wire encoding of `weights` (in the serving dtype
+        `dtype`); a loader that already knows the blob's digest (the store's) builds
+        ReadyAdapter directly and saves the encode."""
+        digest = adapter_blob.digest(adapter_blob.encode(weights))
+        return cls(name, digest, AdapterImage.of(weights, model, dtype))
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ class HostTier:
     def prepare(self, ready: ReadyAdapter) -> ReadyAdapter:
         """The adapter as the tier keeps it: page-locked when the device is a GPU, so activating
         it is an async copy. A copy of every tensor: call it before put, off the step thread."""
-        return replace(ready, weights=ready.weights.pin_memory()) if self._pin_memory else ready
+        return replace(ready, image=ready.image.pin_memory()) if self._pin_memory else ready
 
     def put(self, ready: ReadyAdapter) -> None:
         self._ready[ready.name] = ready

@@ -34,4 +34,4 @@ class LocalAdapterLoader:
         """Validate and optimize the PEFT checkpoint in `folder` as adapter `name`, without
         registering it."""
         weights = load_peft_adapter(name, folder, self._model, self._max_rank, self._dtype)
-        return ReadyAdapter.of(name, weights)
+        return ReadyAdapter.of(name, weights, self._model, self._dtype)

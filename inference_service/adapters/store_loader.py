@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.blob_fetch import BlobFetch, FetchLimits, ask_digest
 from inference_service.adapters.host_tier import ReadyAdapter
 from shared import adapter_blob
@@ -85,7 +86,7 @@ class StoreAdapterLoader:
         where = f"adapter {name!r}"
         weights = adapter_blob.decode(path.read_bytes(), where, self._model, self._max_rank)
         # The store's digest names the registered content, whatever dtype this worker serves in.
-        return ReadyAdapter(name, digest, weights.to(self._dtype))
+        return ReadyAdapter(name, digest, AdapterImage.of(weights, self._model, self._dtype))
 
     def _digest_for(self, name: str) -> str:
         """The catalog's digest, validated; without a catalog entry, the store's answer."""

@@ -18,7 +18,6 @@ from inference_service.engine.config import EngineConfig
 from kernels.lora_batch import PAGE_RANK
 from shared.errors import InvalidArgument
 from shared.model_config import LORA_TARGETS, ModelConfig
-from shared.peft_checkpoint import AdapterWeights
 
 Pages = tuple[tuple[int, ...], ...]  # [targets][pages]: the first unit of each page, in rank order
 
@@ -79,17 +78,6 @@ def adapter_memory_units(config: EngineConfig, model: ModelConfig) -> int:
 def unit_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
     """Device bytes of one unit over all layers."""
     return model.num_layers * unit_elements(model) * dtype.itemsize
-
-
-def target_ranks(weights: AdapterWeights) -> tuple[int, ...]:
-    """The adapter's rank on each target, LORA_TARGETS order: the largest of its modules of that
-    target over layers (0 where it does not target it)."""
-    return tuple(weights.module_ranks.get(target, 0) for target in LORA_TARGETS)
-
-
-def pages_needed(weights: AdapterWeights) -> tuple[int, ...]:
-    """Pages per target, LORA_TARGETS order: ceil(r_t / PAGE_RANK) for target_ranks r_t."""
-    return tuple(-(-r // PAGE_RANK) for r in target_ranks(weights))
 
 
 def _units(need: tuple[int, ...], page_units: tuple[int, ...]) -> int:

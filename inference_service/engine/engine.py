@@ -270,7 +270,7 @@ class Engine:
         only the requests for that adapter; it leaves the memory and the host tier (a later
         request loads it anew)."""
         try:
-            self.runner.load_slot(slot, ready.weights, self.memory.pages(slot))
+            self.runner.load_slot(slot, ready.image, self.memory.pages(slot))
         except Exception as e:
             log.exception("adapter %r cannot be loaded into adapter memory", ready.name)
             reason = f"adapter {ready.name!r} cannot be loaded into device memory: {brief(e)}"

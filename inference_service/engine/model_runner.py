@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.engine.adapter_memory import (
     adapter_memory_units,
     page_units,
-    target_ranks,
     unit_elements,
 )
 from inference_service.engine.config import EngineConfig
@@ -21,9 +21,8 @@ from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel
 from inference_service.model.weights import load_weights
-from kernels.lora_batch import PAGE_RANK, AdapterPages, page_views
+from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import LORA_TARGETS, ModelConfig
-from shared.peft_checkpoint import AdapterWeights
 
 
 @dataclass(frozen=True)
@@ -115,43 +114,39 @@ class ModelRunner:
         return self.model(batch, self.cache)
 
     @torch.inference_mode()
-    def load_slot(self, slot: int, adapter: AdapterWeights, pages: tuple[tuple[int, ...], ...]) -> None:
-        """Copy an adapter into its pages of adapter memory (`pages`: per target, the first unit
-        of each page) and serve it as `slot`. Its pages are zeroed first in one multi-tensor
-        launch (rows past its rank, and layers it does not target, must read as zeros); the
-        copies are async from the host tier's page-locked memory, a page of a module each."""
-        _check_fits(adapter, self.model_config.num_layers, self.config.max_lora_rank)
-        pool, unit = self.model.lora_pool, self.lora_unit
-        page = [(u, self._page_units[t]) for t, units in enumerate(pages) for u in units]
-        layers = range(pool.shape[0])  # a view per layer: small enough for one thread each
-        torch._foreach_zero_([pool[layer, u * unit : (u + n) * unit] for layer in layers for u, n in page])
-        targets, sources = [], []
-        for (layer, module), weights in adapter.modules.items():
-            t = LORA_TARGETS.index(module)
-            rank, in_features = weights.a.shape
-            a, b = page_views(pool[layer], unit, in_features, weights.b_t.shape[1])
-            for g, u in enumerate(pages[t][: -(-rank // PAGE_RANK)]):
-                ranks = slice(g * PAGE_RANK, min(rank, (g + 1) * PAGE_RANK))
-                n = ranks.stop - ranks.start
-                targets += [a[u, :n], b[u, :n]]
-                sources += [weights.a[ranks], weights.b_t[ranks]]
+    def load_slot(self, slot: int, image: AdapterImage, pages: tuple[tuple[int, ...], ...]) -> None:
+        """Copy an adapter's image into its pages of adapter memory (`pages`: per target, the
+        first unit of each page) and serve it as `slot`: one copy per page, of every layer at
+        once, in one multi-tensor launch, async from the host tier's page-locked memory. The
+        image holds the zeros of rank rows past each module's rank, so nothing is zeroed."""
+        pool, unit = self.model.lora_pool, self.lora_unit  # pool: [layers, units*unit]
+        widths = [n * unit for n in self._page_units]
+        _check_fits(image, pages, pool.shape[0], widths, self.config.max_lora_rank)
+        targets = [pool[:, u * unit : u * unit + widths[t]] for t, units in enumerate(pages) for u in units]
+        sources = [page for target_pages in image.pages for page in target_pages]  # [layers, width] each
         torch._foreach_copy_(targets, sources, non_blocking=True)
-        self._adapters[slot] = AdapterPages(target_ranks(adapter), pages)
+        self._adapters[slot] = AdapterPages(image.ranks, pages)
 
     def clear_slot(self, slot: int) -> None:
         """`slot` serves no adapter any more (its pages go back to the adapter memory)."""
         self._adapters.pop(slot, None)
 
 
-def _check_fits(adapter: AdapterWeights, num_layers: int, max_rank: int) -> None:
-    """Refuse weights the memory's layout cannot hold (a store that skipped its checks): a layer
-    the model lacks, or a rank past max_lora_rank (the step tables hold that many pages)."""
-    for (layer, module), weights in adapter.modules.items():
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"layers.{layer}.{module}: the model has layers 0..{num_layers - 1}")
-        if weights.a.shape[0] > max_rank:
+def _check_fits(
+    image: AdapterImage, pages: tuple[tuple[int, ...], ...], num_layers: int, widths: list[int], max_rank: int
+) -> None:
+    """Refuse an image the memory's layout cannot hold (a loader that skipped its checks): a
+    rank past max_lora_rank (the step tables hold that many pages), or pages not shaped as
+    this model's pages and the ones acquired for it."""
+    for target, rank, image_pages, units, width in zip(
+        LORA_TARGETS, image.ranks, image.pages, pages, widths, strict=True
+    ):
+        if rank > max_rank:
+            raise ValueError(f"{target} has rank {rank}, above max_lora_rank {max_rank}")
+        if image_pages.shape != (len(units), num_layers, width):
             raise ValueError(
-                f"layers.{layer}.{module} has rank {weights.a.shape[0]}, above max_lora_rank {max_rank}"
+                f"{target} pages are {tuple(image_pages.shape)}; the adapter memory holds "
+                f"{(len(units), num_layers, width)}"
             )
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inference_service.adapters.host_tier import HostTier, ReadyAdapter
-from inference_service.engine.adapter_memory import AdapterMemory, pages_needed
+from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.sequence import Sequence, Status
@@ -114,7 +114,7 @@ class Scheduler:
                 resident = self.memory.resident(ready.digest)
                 if draining is not None and (resident is None or resident in draining):
                     continue
-                need = pages_needed(ready.weights)
+                need = ready.image.need
                 if resident is None and not self.memory.fits(need):
                     schedule.refused.append((seq, self._too_large(seq, need)))
                     continue
@@ -153,9 +153,7 @@ class Scheduler:
         seq.block_table = self.allocator.allocate(self._blocks_for(seq))
         if ready is not None:
             self.host.release(seq.adapter)
-            seq.slot, activate = self.memory.acquire(
-                ready.digest, pages_needed(ready.weights), self._waiting_digests()
-            )
+            seq.slot, activate = self.memory.acquire(ready.digest, ready.image.need, self._waiting_digests())
             if activate:
                 activations.append((seq.slot, ready))
         seq.status = Status.RUNNING

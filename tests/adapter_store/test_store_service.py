@@ -59,7 +59,8 @@ def test_register_from_disk_and_s3_gives_one_content_identity(stub, sources_root
         assert torch.equal(got.modules[key].a, module.a) and torch.equal(got.modules[key].b_t, module.b_t)
     tensors = {t.name: tuple(t.shape) for t in header.tensors}
     assert tensors["layers.0.q_proj.lora_a"] == (4, 64)
-    assert ReadyAdapter.of("qv4", expected).digest == local.digest  # the worker's own loader agrees
+    # the worker's own loader agrees
+    assert ReadyAdapter.of("qv4", expected, model, torch.float32).digest == local.digest
 
 
 def test_same_id_same_content_is_idempotent_and_new_content_already_exists(stub, sources_root):

@@ -4,10 +4,10 @@ hold, and eviction that keeps the adapters waiting requests name."""
 import threading
 import time
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import HostTier, ReadyAdapter
-from shared.peft_checkpoint import AdapterWeights
 
-NO_WEIGHTS = AdapterWeights(rank=8, alpha=16.0, target_modules=(), modules={})
+NO_IMAGE = AdapterImage((), ())  # the tier never looks inside
 
 
 class GatedLoader:
@@ -21,7 +21,7 @@ class GatedLoader:
     def load(self, name: str) -> ReadyAdapter:
         self.started.append(name)
         self.gate.wait(10)
-        return ReadyAdapter(name, f"digest-{name}", NO_WEIGHTS)
+        return ReadyAdapter(name, f"digest-{name}", NO_IMAGE)
 
     def __contains__(self, name: str) -> bool:
         return True

@@ -14,12 +14,10 @@ from inference_service.engine.adapter_memory import (
     adapter_bytes,
     memory_units,
     page_units,
-    pages_needed,
     slot_memory,
     unit_elements,
 )
 from shared.model_config import ModelConfig
-from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 SMOLLM2 = ModelConfig.from_dict(
     {
@@ -60,20 +58,6 @@ def test_slot_memory_holds_exactly_that_many_full_adapters():
     assert memory_units(SMOLLM2, memory, torch.bfloat16) == 4 * _units(ALL_RANK64)
     assert memory_units(SMOLLM2, memory - 1, torch.bfloat16) == 4 * _units(ALL_RANK64) - 1
     assert slot_memory(SMOLLM2, 1, 12, torch.bfloat16) == slot_memory(SMOLLM2, 1, 16, torch.bfloat16)
-
-
-def test_pages_needed_takes_the_largest_rank_of_each_target_over_layers():
-    def lora(rank: int) -> ModuleLora:
-        return ModuleLora(torch.zeros(rank, 3), torch.zeros(rank, 5))
-
-    modules = {
-        (0, "q_proj"): lora(8),
-        (1, "q_proj"): lora(12),
-        (1, "v_proj"): lora(16),
-        (0, "down_proj"): lora(1),
-    }
-    weights = AdapterWeights(16, 16.0, ("down_proj", "q_proj", "v_proj"), modules)
-    assert pages_needed(weights) == (2, 0, 2, 0, 0, 0, 1)
 
 
 @pytest.mark.parametrize("need, count", [(ALL_RANK64, 2), (QV_RANK64, 10), (QV_RANK8, 84)])

@@ -147,7 +147,7 @@ def test_engine_on_cuda_equals_peft_and_keeps_host_adapters_pinned(
     for i, tokens in enumerate(expected):
         assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
     ready = [engine.host.get(name) for name in tiny_adapters["llama"]]
-    assert all(m.a.is_pinned() and m.b_t.is_pinned() for r in ready for m in r.weights.modules.values())
+    assert all(pages.is_pinned() for r in ready for pages in r.image.pages)
     _assert_idle(engine)
 
 

@@ -17,16 +17,16 @@ from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from shared.errors import FailedPrecondition, Unavailable
 from shared.model_config import ModelConfig
-from shared.peft_checkpoint import ModuleLora, load_peft_adapter
+from shared.peft_checkpoint import AdapterWeights, ModuleLora, load_peft_adapter
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 class TamperingLoader(LocalAdapterLoader):
-    """Serves registered PEFT folders as they are, plus adapters whose weights ModelRunner
-    cannot take, as a store that skipped its checks would."""
+    """Serves registered PEFT folders as they are, plus weights that device memory cannot take,
+    as a store that skipped its checks would serve them: the loader builds their images."""
 
-    def __init__(self, model: ModelConfig, tampered: dict[str, ReadyAdapter]):
+    def __init__(self, model: ModelConfig, tampered: dict[str, AdapterWeights]):
         super().__init__(model, 16, torch.float32)
         self.tampered = tampered
 
@@ -34,21 +34,29 @@ class TamperingLoader(LocalAdapterLoader):
         return name in self.tampered or super().__contains__(name)
 
     def load(self, name: str) -> ReadyAdapter:
-        return self.tampered[name] if name in self.tampered else super().load(name)
+        if name in self.tampered:
+            return ReadyAdapter.of(name, self.tampered[name], self._model, torch.float32)
+        return super().load(name)
 
 
-def _tampered(tiny_models, tiny_adapters) -> dict[str, ReadyAdapter]:
+def _tampered(tiny_models, tiny_adapters) -> dict[str, AdapterWeights]:
     model = ModelConfig.from_dir(tiny_models["llama"])
     good = load_peft_adapter("all8", tiny_adapters["llama"]["all8"], model, 16, torch.float32)
     (layer, module), m = next(iter(good.modules.items()))
     rank32 = ModuleLora(torch.ones(32, m.a.shape[1]), torch.ones(32, m.b_t.shape[1]))
     return {
-        # rank-32 tensors in an adapter that declares rank 2, past max_lora_rank 16
-        "rank32": ReadyAdapter(
-            "rank32", "sha256:" + "1" * 64, replace(good, rank=2, modules={(layer, module): rank32})
-        ),
-        "layer-1": ReadyAdapter("layer-1", "sha256:" + "2" * 64, replace(good, modules={(-1, module): m})),
+        # rank-32 tensors in an adapter that declares rank 2, past max_lora_rank 16: refused
+        # when activated
+        "rank32": replace(good, rank=2, modules={(layer, module): rank32}),
+        # a layer the model lacks: refused when loaded, before it reaches the host tier
+        "layer-1": replace(good, modules={(-1, module): m}),
     }
+
+
+REFUSED = {  # what each tampered adapter's requests are told
+    "rank32": ("adapter 'rank32' cannot be loaded into device memory: ", "rank 32, above max_lora_rank 16"),
+    "layer-1": ("adapter 'layer-1' could not be loaded: ", "layers.-1.", "the model has layers 0..1"),
+}
 
 
 def _engine(tiny_models, tiny_adapters, loader=None, **overrides) -> Engine:
@@ -92,7 +100,7 @@ def test_an_adapter_device_memory_cannot_take_fails_only_its_requests(tiny_model
     for request, out in zip(requests, outputs, strict=True):
         if request.adapter in loader.tampered:
             assert isinstance(out.error, FailedPrecondition), out
-            assert f"adapter {request.adapter!r} cannot be loaded into device memory" in str(out.error)
+            assert all(part in str(out.error) for part in REFUSED[request.adapter]), out.error
             assert out.finish_reason == "error" and not out.token_ids
         else:
             assert out.error is None and out.token_ids == _alone(engine, request)
@@ -112,7 +120,7 @@ def test_an_adapter_larger_than_all_adapter_memory_fails_only_its_requests(tiny_
         key: ModuleLora(torch.ones(24, m.a.shape[1]), torch.ones(24, m.b_t.shape[1]))
         for key, m in good.modules.items()
     }
-    huge = ReadyAdapter("huge", "sha256:" + "3" * 64, replace(good, rank=24, modules=rank24))
+    huge = replace(good, rank=24, modules=rank24)
     engine = _engine(tiny_models, tiny_adapters, TamperingLoader(model, {"huge": huge}), max_loras=1)
     requests = _requests([("all8", [9, 10], 7), ("huge", [11, 12, 13], 5), ("qv4", [14, 15, 16, 17], 6)])
     outputs = engine.generate(requests)

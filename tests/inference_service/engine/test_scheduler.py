@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import ReadyAdapter
 from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_allocator import BlockAllocator
@@ -25,16 +26,16 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.scheduler import Schedule, Scheduler
 from inference_service.engine.sequence import Sequence, Status
 from inference_service.sampling import SamplingParams
-from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 BLOCK_SIZE = 4
 PAGE_UNITS = (1,) * 7  # a unit per page of every target: memory of N units holds N one-page adapters
 
 
-def _weights(rank: int) -> AdapterWeights:
-    """Weights the scheduler sizes only: rank `rank` on q_proj, ceil(rank / 8) pages."""
-    module = ModuleLora(torch.zeros(rank, 1), torch.zeros(rank, 1))
-    return AdapterWeights(rank=rank, alpha=16.0, target_modules=("q_proj",), modules={(0, "q_proj"): module})
+def _image(rank: int) -> AdapterImage:
+    """An image the scheduler sizes only: rank `rank` on q_proj, ceil(rank / 8) pages of one
+    layer of width 1."""
+    pages = [torch.zeros(-(-rank // 8) if t == 0 else 0, 1, 1) for t in range(7)]
+    return AdapterImage((rank,) + (0,) * 6, tuple(pages))
 
 
 class FakeHost:
@@ -44,7 +45,7 @@ class FakeHost:
 
     def __init__(self, ready: tuple[str, ...], load_steps: int | None, ranks: dict[str, int]):
         self.ranks = ranks  # adapter name -> its rank on q_proj (default 8: one page)
-        self._ready = {name: ReadyAdapter(name, f"digest-{name}", self._weights(name)) for name in ready}
+        self._ready = {name: ReadyAdapter(name, f"digest-{name}", self._image(name)) for name in ready}
         self._loading: dict[str, int | None] = {}
         self.load_steps = load_steps
         self.held: Counter[str] = Counter()  # name -> waiting requests that use it
@@ -75,10 +76,10 @@ class FakeHost:
     def install(self, name: str, digest: str | None = None) -> None:
         """The load lands; a new digest is the name re-registered with new weights."""
         self._loading.pop(name, None)
-        self._ready[name] = ReadyAdapter(name, digest or f"digest-{name}", self._weights(name))
+        self._ready[name] = ReadyAdapter(name, digest or f"digest-{name}", self._image(name))
 
-    def _weights(self, name: str) -> AdapterWeights:
-        return _weights(self.ranks.get(name, 8))
+    def _image(self, name: str) -> AdapterImage:
+        return _image(self.ranks.get(name, 8))
 
     def digest(self, name: str) -> str:
         return self._ready[name].digest

@@ -4,7 +4,8 @@ PEFT's (`adapter_names=`) within 1e-4 in fp32, for prefill and for decode steps.
 import pytest
 import torch
 
-from inference_service.engine.adapter_memory import AdapterMemory, page_units, pages_needed
+from inference_service.adapters.adapter_image import AdapterImage
+from inference_service.engine.adapter_memory import AdapterMemory, page_units
 from inference_service.engine.block_allocator import BlockAllocator
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
@@ -53,6 +54,11 @@ def _peft_logits(model, sequences: list[list[int]], adapters: list[str | None]) 
     return [logits[i, : len(s)] for i, s in enumerate(sequences)]
 
 
+def _image(runner: ModelRunner, name: str, path) -> AdapterImage:
+    weights = load_peft_adapter(name, path, runner.model_config, 16, torch.float32)
+    return AdapterImage.of(weights, runner.model_config, torch.float32)
+
+
 def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int], AdapterMemory]:
     """Every adapter loaded into pages of adapter memory, placed by AdapterMemory as the engine
     places them: a memory filled by the first ones' pages and freed in between, so later
@@ -69,10 +75,10 @@ def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int], Adapt
     memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
     slots = {}
     for name, path in adapter_dirs.items():
-        weights = load_peft_adapter(name, path, runner.model_config, 16, torch.float32)
+        image = _image(runner, name, path)
         filler, _ = memory.acquire(f"filler-{name}", (1,) * 7)  # a gap before the adapter's next page
-        slots[name], _ = memory.acquire(name, pages_needed(weights))
-        runner.load_slot(slots[name], weights, memory.pages(slots[name]))
+        slots[name], _ = memory.acquire(name, image.need)
+        runner.load_slot(slots[name], image, memory.pages(slots[name]))
         memory.release(filler)
         memory.vacate(filler)
     return runner, slots, memory
@@ -142,8 +148,8 @@ def test_adapter_changes_logits_and_reused_pages_keep_nothing_stale(tiny_models,
     for name in TINY_ADAPTERS:
         assert (logits(slots[name]) - base).abs().max() > 1e-2, name
     qv4 = logits(slots["qv4"])
-    weights = load_peft_adapter("qv4", tiny_adapters["llama"]["qv4"], runner.model_config, 16, torch.float32)
+    image = _image(runner, "qv4", tiny_adapters["llama"]["qv4"])
     all8 = memory.pages(slots["all8"])  # rank 8 on every module: one page of each
     q_and_v = tuple(pages if t in (0, 2) else () for t, pages in enumerate(all8))
-    runner.load_slot(slots["all8"], weights, q_and_v)
+    runner.load_slot(slots["all8"], image, q_and_v)
     torch.testing.assert_close(logits(slots["all8"]), qv4, atol=0, rtol=0)

@@ -1,0 +1,68 @@
+"""AdapterImage: an adapter laid out as its pages of adapter memory hold it (kernels/lora_batch.py
+gives the layout), built once when it is loaded, off the step thread. Activating it is then one
+copy per page, of all layers at once, with nothing to zero: the image holds the zeros of the rank
+rows past each module's rank and of the layers the adapter leaves alone."""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kernels.lora_batch import PAGE_RANK
+from shared.model_config import LORA_TARGETS, LinearShape, ModelConfig
+from shared.peft_checkpoint import AdapterWeights, ModuleLora
+
+
+@dataclass(frozen=True)
+class AdapterImage:
+    ranks: tuple[int, ...]  # [targets]: the largest rank over layers, LORA_TARGETS order (0: none)
+    pages: tuple[torch.Tensor, ...]  # [targets] of [pages_t, layers, PAGE_RANK * (in_t + out_t)]
+
+    @property
+    def need(self) -> tuple[int, ...]:
+        """Pages per target: ceil(rank_t / PAGE_RANK)."""
+        return tuple(image.shape[0] for image in self.pages)
+
+    @classmethod
+    def of(cls, weights: AdapterWeights, model: ModelConfig, dtype: torch.dtype) -> "AdapterImage":
+        """The image in `dtype` (the serving dtype). Raises ValueError for weights the model
+        cannot take: a layer it lacks, or a module shaped for another model."""
+        shapes = model.linear_shapes()
+        ranks = tuple(weights.module_ranks.get(target, 0) for target in LORA_TARGETS)
+        pages = tuple(
+            torch.zeros(
+                -(-rank // PAGE_RANK),
+                model.num_layers,
+                PAGE_RANK * (shapes[target].in_features + shapes[target].out_features),
+                dtype=dtype,
+            )
+            for target, rank in zip(LORA_TARGETS, ranks, strict=True)
+        )  # [pages_t, layers, page width] each
+        for (layer, module), lora in weights.modules.items():
+            if not 0 <= layer < model.num_layers:
+                raise ValueError(f"layers.{layer}.{module}: the model has layers 0..{model.num_layers - 1}")
+            _place(pages[LORA_TARGETS.index(module)][:, layer], lora, module, shapes[module])
+        return cls(ranks, pages)
+
+    def pin_memory(self) -> "AdapterImage":
+        """A copy in page-locked host memory, so copies to the device from it run async."""
+        return replace(self, pages=tuple(image.pin_memory() for image in self.pages))
+
+
+def _place(image: torch.Tensor, lora: ModuleLora, module: str, shape: LinearShape) -> None:
+    """Write one module's A and B^T rows into its layer's pages `image` [pages, width]: page g
+    holds rank rows PAGE_RANK*g .. PAGE_RANK*g + 7, A's then B^T's."""
+    in_features, out_features = shape.in_features, shape.out_features
+    rank = lora.a.shape[0]
+    if lora.a.shape[1:] != (in_features,) or lora.b_t.shape != (rank, out_features):
+        raise ValueError(
+            f"{module}: A {tuple(lora.a.shape)} and B^T {tuple(lora.b_t.shape)} do not fit the "
+            f"model's [r, {in_features}] and [r, {out_features}]"
+        )
+    a = image[:, : PAGE_RANK * in_features].unflatten(1, (PAGE_RANK, in_features))  # [pages, 8, in]
+    b = image[:, PAGE_RANK * in_features :].unflatten(1, (PAGE_RANK, out_features))  # [pages, 8, out]
+    full, rest = divmod(rank, PAGE_RANK)
+    a[:full].copy_(lora.a[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK)))
+    b[:full].copy_(lora.b_t[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK)))
+    if rest:
+        a[full, :rest].copy_(lora.a[full * PAGE_RANK :])
+        b[full, :rest].copy_(lora.b_t[full * PAGE_RANK :])
