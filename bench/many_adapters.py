@@ -38,6 +38,9 @@ RANKS, TARGETS = (8, 16, 32, 64), ("q_proj", "v_proj")  # each adapter's rank dr
 REQUESTS, PROMPT, MIN_NEW, MAX_NEW = 192, 16, 16, 32
 MAX_LORA_RANK, MAX_CPU_LORAS, MAX_NUM_SEQS = max(RANKS), 64, 32
 QUEUE = 2 * MAX_NUM_SEQS  # requests kept waiting beyond the running ones while a round submits
+# steps of one case before the other's turn: long enough that waiting for its loads at the end of
+# its block is a small share of its time
+BLOCK_STEPS = 24
 MEMORY_OF = (8, 16)  # adapter memory: what this many slots of this rank took on every module
 ZIPF, HOT_CASE = f"{ADAPTERS:,} adapters, Zipf({ZIPF_S})", f"{HOT} hot adapters"
 
@@ -116,42 +119,80 @@ class StepRecord:
     saturated: bool  # requests were still left to submit: the queue stayed QUEUE deep
 
 
-def run(engine: Engine, adapters: list[str], load: Workload) -> dict[str, float]:
-    """Keep QUEUE requests waiting beyond the max_num_seqs running (one submitted as each ends)
-    until every request is submitted, then step the engine until all have ended."""
-    held = set(engine.held_digests())  # adapter names ready in the host tier
-    before = counters(engine)
-    todo = deque(zip(adapters, load.prompts, load.new_tokens, strict=True))
-    seen: list[tuple[str, int, bool]] = []  # (adapter, tokens, ended) of each delta of the step
-    steps: list[StepRecord] = []
-    in_flight, start = 0, time.perf_counter()
-    while todo or engine.has_work:
-        while todo and in_flight < MAX_NUM_SEQS + QUEUE:
-            adapter, prompt, n = todo.popleft()
+class CaseRound:
+    """One case's round on its engine, run in blocks of steps, so that both cases' rounds
+    interleave block by block and see the same drift of the machine. Between blocks the engine
+    is paused with no load in flight: a block ends by waiting for the loads its steps started,
+    and that wait is the case's time too. Every time is on the case's own clock (its blocks).
+
+    Keeps QUEUE requests waiting beyond the max_num_seqs running (one submitted as each ends)
+    until every request is submitted, then steps the engine until all have ended."""
+
+    def __init__(self, engine: Engine, adapters: list[str], load: Workload):
+        self.engine, self.adapters = engine, adapters
+        self.held = set(engine.held_digests())  # adapter names ready in the host tier
+        self.before = counters(engine)
+        self.todo = deque(zip(adapters, load.prompts, load.new_tokens, strict=True))
+        self.seen: list[tuple[str, int, bool]] = []  # (adapter, tokens, ended) of each delta of the step
+        self.steps: list[StepRecord] = []
+        self.in_flight, self.clock, self.waited = 0, 0.0, 0.0  # waited: for loads, at block ends
+
+    @property
+    def done(self) -> bool:
+        return not self.todo and not self.engine.has_work
+
+    def block(self, steps: int) -> None:
+        start = time.perf_counter()
+        for _ in range(steps):
+            if self.done:
+                break
+            self._step(lambda: self.clock + time.perf_counter() - start)
+        waiting = time.perf_counter()
+        self.engine.host.wait_for_loads()
+        self.waited += time.perf_counter() - waiting
+        self.clock += time.perf_counter() - start
+
+    def _step(self, now: Callable[[], float]) -> None:
+        while self.todo and self.in_flight < MAX_NUM_SEQS + QUEUE:
+            adapter, prompt, n = self.todo.popleft()
             params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-            engine.submit(Request(prompt, adapter, params), recorder(seen, adapter))
-            in_flight += 1
-        step_start = time.perf_counter() - start
-        engine.step()
-        ran = tuple(adapter for adapter, n, _ in seen if n)
-        step_tokens = sum(n for _, n, _ in seen)
-        steps.append(StepRecord(step_start, time.perf_counter() - start, step_tokens, ran, bool(todo)))
-        in_flight -= sum(ended for *_, ended in seen)
-        seen.clear()
-    delta = {key: value - before[key] for key, value in counters(engine).items()}
-    return {
-        **window([s for s in steps if s.saturated], ""),
-        **window(steps, "round "),
-        "hit rate": delta["hits"] / (delta["hits"] + delta["misses"]),
-        "requests held": sum(a in held for a in adapters) / len(adapters),
-        "loads": delta["misses"],  # every miss starts one load
-        "reloads": delta["misses"] - len(set(adapters) - held),
-        "distinct adapters": len(set(adapters)),
-        "activations": delta["activations"],
-        "host evictions": delta["host evictions"],
-        "load ms": 1e3 * delta["load seconds"] / max(delta["misses"], 1),
-        "idle s": sum(s.end_s - s.start_s for s in steps if not s.adapters),
-    }
+            self.engine.submit(Request(prompt, adapter, params), recorder(self.seen, adapter))
+            self.in_flight += 1
+        step_start = now()
+        self.engine.step()
+        ran = tuple(adapter for adapter, n, _ in self.seen if n)
+        step_tokens = sum(n for _, n, _ in self.seen)
+        self.steps.append(StepRecord(step_start, now(), step_tokens, ran, bool(self.todo)))
+        self.in_flight -= sum(ended for *_, ended in self.seen)
+        self.seen.clear()
+
+    def result(self) -> dict[str, float]:
+        steps, adapters = self.steps, self.adapters
+        delta = {key: value - self.before[key] for key, value in counters(self.engine).items()}
+        return {
+            **window([s for s in steps if s.saturated], ""),
+            **window(steps, "round "),
+            "hit rate": delta["hits"] / (delta["hits"] + delta["misses"]),
+            "requests held": sum(a in self.held for a in adapters) / len(adapters),
+            "loads": delta["misses"],  # every miss starts one load
+            "reloads": delta["misses"] - len(set(adapters) - self.held),
+            "distinct adapters": len(set(adapters)),
+            "activations": delta["activations"],
+            "host evictions": delta["host evictions"],
+            "load ms": 1e3 * delta["load seconds"] / max(delta["misses"], 1),
+            "idle s": sum(s.end_s - s.start_s for s in steps if not s.adapters),
+            "load wait s": self.waited,
+        }
+
+
+def run_interleaved(engines: dict[str, Engine], load: Workload, first: str) -> dict[str, dict[str, float]]:
+    """Both cases' rounds, BLOCK_STEPS steps of each in turn, `first` first, until both end."""
+    rounds = {case: CaseRound(engines[case], load.adapters[case], load) for case in engines}
+    order = [first] + [case for case in rounds if case != first]
+    while not all(r.done for r in rounds.values()):
+        for case in order:
+            rounds[case].block(BLOCK_STEPS)
+    return {case: r.result() for case, r in rounds.items()}
 
 
 def window(steps: list[StepRecord], prefix: str) -> dict[str, float]:
@@ -185,9 +226,8 @@ def many_adapters(
         for repeat in range(repeats + 1):
             load = workload(repeat, model.vocab_size)
             load = load if repeat else replace(load, new_tokens=[1] * REQUESTS)
-            order = [ZIPF, HOT_CASE] if repeat % 2 == 0 else [HOT_CASE, ZIPF]
-            for case in order:
-                result = run(engines[case], load.adapters[case], load)
+            results = run_interleaved(engines, load, ZIPF if repeat % 2 == 0 else HOT_CASE)
+            for case, result in results.items():
                 progress(f"{'round ' + str(repeat) if repeat else 'warm-up'}, {case}: {brief(result)}")
                 if repeat:
                     rounds[case].append(result)
@@ -203,7 +243,8 @@ def brief(result: dict[str, float]) -> str:
         f"{result['loads']} loads ({result['reloads']} repeated, {result['load ms']:.0f} ms each), "
         f"{result['activations']} activations, {result['running per step']:.1f} running over "
         f"{result['adapters per step']:.1f} adapters per saturated step "
-        f"({result['round running per step']:.1f} over the round), {result['idle s']:.2f} s idle"
+        f"({result['round running per step']:.1f} over the round), {result['idle s']:.2f} s idle, "
+        f"{result['load wait s']:.2f} s waiting for loads at block ends"
     )
 
 
@@ -238,6 +279,7 @@ def summary(rounds: dict[str, list[dict[str, float]]], repeats: int) -> dict:
             "ms / load": median(case, "load ms"),
             "activations": median(case, "activations"),
             "idle s": median(case, "idle s", 2),
+            "block-end load wait s": median(case, "load wait s", 2),
         }
         for case in rounds
     ]
@@ -278,11 +320,17 @@ def setup(repeats: int) -> str:
         f"it waits); 'requests whose adapter was held' is the share of requests whose adapter was ready "
         f"in the host tier when the round began. Repeated loads are loads beyond one per adapter that "
         f"was not held; ms / load is a load's mean time on its thread; idle s is the time of steps in "
-        f"which nothing could run. Each case has its own engine, built once: a dropped warm-up round "
+        f"which nothing could run; block-end load wait s is the time the case's blocks spent at their "
+        f"ends waiting for its loads (below). Each case has its own engine, built once: a dropped "
+        f"warm-up round "
         f"(the same requests cut to 1 new token) loads the hot adapters and starts filling the Zipf "
         f"host tier, and each timed round (new Zipf draws) finds the host tier as the rounds before "
-        f"left it, a running server's steady state. Medians of {repeats} rounds, each running both "
-        f"cases back to back, the first case alternating."
+        f"left it, a running server's steady state. Medians of {repeats} rounds. A round runs both "
+        f"cases interleaved, {BLOCK_STEPS} steps of one and then {BLOCK_STEPS} of the other (the first "
+        f"case alternating between rounds), so both see the same drift of the machine: between its "
+        f"blocks an engine is paused with no load in flight, a block ending with the wait for the "
+        f"loads its steps started, and each case's times are on its own clock, its blocks and their "
+        f"waits."
     )
 
 

@@ -3,7 +3,7 @@
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -166,6 +166,10 @@ class HostTier:
     @property
     def loading(self) -> int:
         return len(self._loading)
+
+    def wait_for_loads(self) -> None:
+        """Block until every load in flight has finished; the next collect installs them."""
+        wait(list(self._loading.values()))
 
     def held(self) -> list[tuple[str, str | None, bool]]:
         """(name, digest or None while loading, pinned) of every adapter ready or loading."""

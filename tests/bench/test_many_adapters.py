@@ -69,5 +69,5 @@ def test_the_saturated_window_ends_where_requests_were_no_longer_left_to_submit(
 def run_figures(steps: list[StepRecord]) -> dict[str, float]:
     """What `run` returns for these steps, without an engine (counters all 1)."""
     counters = ("hit rate", "requests held", "loads", "reloads", "distinct adapters", "activations")
-    figures = {key: 1.0 for key in (*counters, "host evictions", "load ms", "idle s")}
+    figures = {key: 1.0 for key in (*counters, "host evictions", "load ms", "idle s", "load wait s")}
     return {**window([s for s in steps if s.saturated], ""), **window(steps, "round "), **figures}

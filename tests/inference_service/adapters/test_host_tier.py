@@ -91,3 +91,18 @@ def test_a_queue_naming_more_adapters_than_the_tier_holds_loads_them_as_room_app
     assert sorted(loader.started) == ["x", "y", "z"]
     assert tier.peek("y") is not None and tier.peek("z") is not None  # y still waits: kept
     tier.close()
+
+
+def test_wait_for_loads_returns_once_every_load_in_flight_has_finished():
+    loader = GatedLoader()
+    tier = HostTier(4, loader, pin_memory=False)
+    loader.gate.clear()
+    tier.get("a")
+    tier.get("b")
+    opener = threading.Timer(0.2, loader.gate.set)
+    opener.start()
+    tier.wait_for_loads()
+    assert loader.gate.is_set()  # it waited for the gated loads
+    tier.collect()
+    assert (tier.loading, len(tier)) == (0, 2)  # both landed, installed by the next collect
+    tier.close()
