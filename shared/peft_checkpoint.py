@@ -89,19 +89,6 @@ class AdapterWeights:
             ranks[module] = max(ranks.get(module, 0), m.a.shape[0])
         return ranks
 
-    def check_fits(self, name: str, model: ModelConfig) -> None:
-        """Refuse weights shaped for another base model (a store may serve several)."""
-        shapes = model.linear_shapes()
-        for (layer, module), m in self.modules.items():
-            want = shapes[module]
-            fits = m.a.shape[1] == want.in_features and m.b_t.shape[1] == want.out_features
-            if layer >= model.num_layers or not fits:
-                raise FailedPrecondition(
-                    f"adapter {name!r}: layers.{layer}.{module} has A {tuple(m.a.shape)} and B^T "
-                    f"{tuple(m.b_t.shape)}; this worker's model ({model.num_layers} layers) expects "
-                    f"[r, {want.in_features}] and [r, {want.out_features}]"
-                )
-
 
 def load_peft_adapter(
     name: str, adapter_dir: str | Path, model: ModelConfig | None, max_rank: int | None, dtype: torch.dtype

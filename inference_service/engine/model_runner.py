@@ -40,7 +40,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.lora_unit = unit_elements(self.model_config)
         self.lora_units = adapter_memory_units(config, self.model_config)
-        self._page_units = page_units(self.model_config)
+        self._page_widths = [n * self.lora_unit for n in page_units(self.model_config)]  # [targets]
         self.model = LlamaModel(
             self.model_config, self.lora_units, self.lora_unit, config.torch_dtype, self.device
         )
@@ -120,7 +120,7 @@ class ModelRunner:
         once, in one multi-tensor launch, async from the host tier's page-locked memory. The
         image holds the zeros of rank rows past each module's rank, so nothing is zeroed."""
         pool, unit = self.model.lora_pool, self.lora_unit  # pool: [layers, units*unit]
-        widths = [n * unit for n in self._page_units]
+        widths = self._page_widths
         _check_fits(image, pages, pool.shape[0], widths, self.config.max_lora_rank)
         targets = [pool[:, u * unit : u * unit + widths[t]] for t, units in enumerate(pages) for u in units]
         sources = [page for target_pages in image.pages for page in target_pages]  # [layers, width] each
