@@ -26,6 +26,7 @@ from shared.peft_checkpoint import AdapterWeights, ModuleLora
 FORMAT = "loramux-adapter/2"
 METADATA_KEY = "loramux"
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # torch -> safetensors
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 # A bounded layer number: int() of thousands of digits is itself an error.
 TENSOR_NAME = re.compile(r"layers\.(-?[0-9]{1,9})\.([a-z_]{1,32})\.(lora_a|lora_b_t)")
@@ -50,21 +51,56 @@ class BlobInfo:
 
 
 def encode(weights: AdapterWeights) -> bytes:
+    return save(_named_tensors(weights), metadata=_metadata(weights))
+
+
+def digest(blob: bytes) -> str:
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+def digest_of(weights: AdapterWeights) -> str:
+    """digest(encode(weights)), hashed straight from the tensors: the blob is never built, which
+    saves a loader that only needs the identity a copy of every weight. The bytes hashed are the
+    ones safetensors writes: an 8-byte little-endian header length, the header JSON (metadata
+    first, then each tensor's dtype, shape and offsets) padded with spaces to 8 bytes, then the
+    tensors' data back to back, in the order of their names (all share the serving dtype)."""
+    tensors = dict(sorted(_named_tensors(weights).items()))
+    if len({t.dtype for t in tensors.values()}) != 1:
+        raise ValueError("an adapter's weights must share one dtype, the serving dtype")
+    header: dict[str, object] = {"__metadata__": _metadata(weights)}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    sha = hashlib.sha256(struct.pack("<Q", len(text)) + text)
+    for tensor in tensors.values():
+        sha.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    return "sha256:" + sha.hexdigest()
+
+
+def _named_tensors(weights: AdapterWeights) -> dict[str, torch.Tensor]:
     tensors = {}
     for (layer, module), m in weights.modules.items():
         tensors[f"layers.{layer}.{module}.lora_a"] = m.a
         tensors[f"layers.{layer}.{module}.lora_b_t"] = m.b_t
+    return tensors
+
+
+def _metadata(weights: AdapterWeights) -> dict[str, str]:
     metadata = {
         "format": FORMAT,
         "rank": weights.rank,
         "alpha": weights.alpha,
         "target_modules": list(weights.target_modules),
     }
-    return save(tensors, metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
-
-
-def digest(blob: bytes) -> str:
-    return "sha256:" + hashlib.sha256(blob).hexdigest()
+    return {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
 
 
 def check_digest(text: str, where: str) -> str:

@@ -29,7 +29,7 @@ class AdapterImage:
         shapes = model.linear_shapes()
         ranks = tuple(weights.module_ranks.get(target, 0) for target in LORA_TARGETS)
         pages = tuple(
-            torch.zeros(
+            torch.empty(
                 -(-rank // PAGE_RANK),
                 model.num_layers,
                 PAGE_RANK * (shapes[target].in_features + shapes[target].out_features),
@@ -37,10 +37,16 @@ class AdapterImage:
             )
             for target, rank in zip(LORA_TARGETS, ranks, strict=True)
         )  # [pages_t, layers, page width] each
+        placed: set[tuple[int, str]] = set()
         for (layer, module), lora in weights.modules.items():
             if not 0 <= layer < model.num_layers:
                 raise ValueError(f"layers.{layer}.{module}: the model has layers 0..{model.num_layers - 1}")
             _place(pages[LORA_TARGETS.index(module)][:, layer], lora, module, shapes[module])
+            placed.add((layer, module))
+        for target, image in zip(LORA_TARGETS, pages, strict=True):
+            for layer in range(model.num_layers):
+                if (layer, target) not in placed:
+                    image[:, layer].zero_()  # a layer the adapter leaves alone
         return cls(ranks, pages)
 
     def pin_memory(self) -> "AdapterImage":
@@ -61,6 +67,10 @@ def _place(image: torch.Tensor, lora: ModuleLora, module: str, shape: LinearShap
     a = image[:, : PAGE_RANK * in_features].unflatten(1, (PAGE_RANK, in_features))  # [pages, 8, in]
     b = image[:, PAGE_RANK * in_features :].unflatten(1, (PAGE_RANK, out_features))  # [pages, 8, out]
     full, rest = divmod(rank, PAGE_RANK)
+    # zeros for the rank rows past this module's: its last page's tail, the pages a larger rank
+    # of the same target in another layer needs
+    a[full:].zero_()
+    b[full:].zero_()
     a[:full].copy_(lora.a[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK)))
     b[:full].copy_(lora.b_t[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK)))
     if rest:

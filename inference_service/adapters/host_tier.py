@@ -39,11 +39,10 @@ class ReadyAdapter:
 
     @classmethod
     def of(cls, name: str, weights: AdapterWeights, model: ModelConfig, dtype: torch.dtype) -> "ReadyAdapter":
-        """Digest computed here, from the wire encoding of `weights` (in the serving dtype
-        `dtype`); a loader that already knows the blob's digest (the store's) builds
-        ReadyAdapter directly and saves the encode."""
-        digest = adapter_blob.digest(adapter_blob.encode(weights))
-        return cls(name, digest, AdapterImage.of(weights, model, dtype))
+        """Digest computed here: the digest of the wire encoding of `weights` (in the serving dtype
+        `dtype`), as the adapter store would give it; a loader that already knows the blob's
+        digest (the store's) builds ReadyAdapter directly."""
+        return cls(name, adapter_blob.digest_of(weights), AdapterImage.of(weights, model, dtype))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ with any defect is refused naming the tensor and the problem, and only a well-fo
 name a file."""
 
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,6 +44,24 @@ def test_round_trip_and_content_digest(tiny_models, tiny_adapters):
     assert adapter_blob.digest(adapter_blob.encode(back)) == adapter_blob.digest(blob)
     other = load_peft_adapter("q", tiny_adapters["llama"]["qv4"], model, 16, torch.float32)
     assert adapter_blob.digest(adapter_blob.encode(other)) != adapter_blob.digest(blob)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("adapter", ["all8", "qv4", "mlp16rs", "re2", "pattern"])
+def test_digest_of_weights_is_the_digest_of_their_blob(tiny_adapters, model, adapter, dtype):
+    """A local load names an adapter by the digest the adapter store would give its blob, without
+    building the blob: every target set, rank pattern and serving dtype."""
+    weights = load_peft_adapter(adapter, tiny_adapters["llama"][adapter], model, 16, dtype)
+    assert adapter_blob.digest_of(weights) == adapter_blob.digest(adapter_blob.encode(weights))
+
+
+def test_digest_of_changes_with_any_weight(qv4):
+    key = next(iter(qv4.modules))
+    b_t = qv4.modules[key].b_t.clone()
+    b_t[-1, -1] += 1e-3
+    changed = replace(qv4, modules={**qv4.modules, key: replace(qv4.modules[key], b_t=b_t)})
+    assert adapter_blob.digest_of(changed) != adapter_blob.digest_of(qv4)
+    assert adapter_blob.digest_of(replace(qv4, alpha=qv4.alpha * 2)) != adapter_blob.digest_of(qv4)
 
 
 def test_foreign_blob_is_refused():

@@ -37,10 +37,18 @@ def _expected_page(weights: AdapterWeights, layer: int, module: str, page: int, 
     return torch.cat([a.flatten(), b_t.flatten()])
 
 
+def _dirty_freed_memory(image: AdapterImage) -> None:
+    """NaN in memory the allocator hands out next for an image of this size: zeros in the image
+    must be written, not found in fresh memory."""
+    for pages in image.pages:
+        pages.fill_(float("nan"))
+
+
 def test_every_page_of_every_layer_holds_its_rank_rows_and_zeros_elsewhere(tiny_models):
     model = ModelConfig.from_dir(tiny_models["llama"])
     ranks = {(0, "q_proj"): 8, (1, "q_proj"): 12, (1, "v_proj"): 16, (0, "down_proj"): 3}
     weights = _weights(model, ranks)
+    _dirty_freed_memory(AdapterImage.of(weights, model, torch.float32))
     image = AdapterImage.of(weights, model, torch.float32)
     assert image.ranks == (12, 0, 16, 0, 0, 0, 3)
     assert image.need == (2, 0, 2, 0, 0, 0, 1)  # the largest rank of each target over layers
