@@ -1,4 +1,5 @@
-"""HostTier: ready (validated, optimized) adapters in host memory, LRU, loaded in the background."""
+"""HostTier: ready (validated, optimized) adapters in host memory, the popular ones kept, loaded in the
+background."""
 
 import time
 from collections import Counter, OrderedDict
@@ -15,6 +16,9 @@ from shared.model_config import ModelConfig
 from shared.peft_checkpoint import AdapterWeights
 
 LOAD_THREADS = 4  # loads in flight at once: one stalled fetch must not block the rest
+# Request counts per adapter are halved every AGING x capacity requests, so eviction follows the
+# popularity of the recent past, not of all time (TinyLFU's reset).
+AGING = 10
 
 
 class AdapterLoader(Protocol):
@@ -60,10 +64,12 @@ class HostTier:
     name however many requests wait for it; the engine collects finished loads each step.
 
     Waiting requests hold the names they use, from arrival to admission. Eviction drops adapters
-    no waiting request holds first (least recently used first), and a load starts only while the
-    held adapters ready or loading number fewer than `capacity`: a queue naming more adapters
-    than the tier keeps loads them as earlier ones finish, instead of evicting adapters that
-    waiting requests are about to use (thrashing)."""
+    no waiting request holds first; among those, the ones fewest recent requests named (with
+    Zipf-like popularity, a one-off adapter must not push out one that every other request
+    names), least recently used first among equals. A load starts only while the held adapters
+    ready or loading number fewer than `capacity`: a queue naming more adapters than the tier
+    keeps loads them as earlier ones finish, instead of evicting adapters that waiting requests
+    are about to use (thrashing)."""
 
     def __init__(
         self,
@@ -80,6 +86,8 @@ class HostTier:
         self._ready: OrderedDict[str, ReadyAdapter] = OrderedDict()
         self._pinned: set[str] = set()
         self._held: Counter[str] = Counter()  # name -> waiting requests that use it
+        self._uses: Counter[str] = Counter()  # name -> requests that named it, aged (AGING)
+        self._arrivals = 0  # requests since the last aging
         self._loading: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-load")
         self.hits = self.misses = self.evictions = 0
@@ -90,6 +98,7 @@ class HostTier:
         release (the request is admitted or ends), and its load starts now if there is room: a
         prefetch ahead of admission."""
         self._held[name] += 1
+        self._count_use(name)
         if name in self._ready:
             self.request_hits += 1
         else:
@@ -148,10 +157,13 @@ class HostTier:
         self._ready.pop(name, None)
         self._pinned.discard(name)
         self._loading.pop(name, None)
+        self._uses.pop(name, None)
 
     def pin(self, name: str) -> None:
-        """Keep `name` for good; an adapter not held yet starts loading now (a preload)."""
+        """Keep `name` for good; an adapter not held yet starts loading now (a preload). The pin
+        counts as a request for it: unpinned later, it is not the first to go."""
         self._pinned.add(name)
+        self._count_use(name)
         if name not in self._ready and name not in self._loading:
             self._start_load(name)
 
@@ -196,6 +208,13 @@ class HostTier:
             self.misses += 1
             self._start_load(name)
 
+    def _count_use(self, name: str) -> None:
+        self._uses[name] += 1
+        self._arrivals += 1
+        if self._arrivals >= AGING * max(self.capacity, 1):
+            self._arrivals = 0
+            self._uses = Counter({n: uses // 2 for n, uses in self._uses.items() if uses > 1})
+
     def _start_load(self, name: str) -> None:
         self._loading[name] = self._pool.submit(self._load, name)
         self._loading[name].add_done_callback(lambda _: self._on_done())
@@ -208,9 +227,9 @@ class HostTier:
     def _evict(self) -> None:
         # Evicting only drops the host copy: requests already holding a device slot keep it,
         # and waiting requests for the name simply load it again. Adapters no request holds go
-        # first, least recently used first.
+        # first, the least used first, the least recently used first among equals.
         unpinned = [n for n in self._ready if n not in self._pinned]
-        unpinned.sort(key=lambda n: n in self._held)  # stable: LRU order within each group
+        unpinned.sort(key=lambda n: (n in self._held, self._uses[n]))  # stable: LRU order among equals
         for name in unpinned[: max(0, len(unpinned) - self.capacity)]:
             del self._ready[name]
             self.evictions += 1

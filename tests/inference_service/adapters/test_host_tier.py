@@ -1,11 +1,11 @@
 """HostTier with a real thread pool: per-request hit counts, loads bounded by what waiting requests
-hold, and eviction that keeps the adapters waiting requests name."""
+hold, and eviction that keeps the adapters waiting requests name, then the popular ones."""
 
 import threading
 import time
 
 from inference_service.adapters.adapter_image import AdapterImage
-from inference_service.adapters.host_tier import HostTier, ReadyAdapter
+from inference_service.adapters.host_tier import AGING, HostTier, ReadyAdapter
 
 NO_IMAGE = AdapterImage((), ())  # the tier never looks inside
 
@@ -68,8 +68,47 @@ def test_eviction_keeps_an_adapter_a_waiting_request_names_over_more_recent_ones
 
     assert {name for name, _, _ in tier.held()} == {"b", "c"}
     tier.release("b")
-    _load(tier, "d")  # nobody waits for b any more: plain LRU again
+    tier.hold("c")
+    tier.release("c")  # as many requests named c as b
+    _request(tier, "d")  # nobody waits for b any more, and c is as popular: the least recent goes
     assert {name for name, _, _ in tier.held()} == {"c", "d"}
+    tier.close()
+
+
+def _request(tier: HostTier, name: str) -> None:
+    """A request for `name` arrives, waits for its adapter and is admitted."""
+    tier.hold(name)
+    _settle(tier)
+    tier.release(name)
+
+
+def _kept(tier: HostTier) -> set[str]:
+    return {name for name, _, _ in tier.held()}
+
+
+def test_eviction_keeps_the_adapter_most_requests_named_over_more_recent_ones():
+    tier = HostTier(2, GatedLoader(), pin_memory=False)
+    for name in ("popular", "popular", "popular", "once"):
+        _request(tier, name)
+
+    _request(tier, "new")  # popular is the least recently used, and named most
+
+    assert _kept(tier) == {"popular", "new"}
+    tier.close()
+
+
+def test_popularity_ages_so_an_adapter_no_longer_named_is_evicted_in_time():
+    tier = HostTier(2, GatedLoader(), pin_memory=False)
+    period = AGING * tier.capacity  # requests between two halvings of every count
+    for _ in range(3):
+        _request(tier, "popular")
+    for i in range(period - 4):
+        _request(tier, f"once-{i}")
+    assert "popular" in _kept(tier)  # 3 requests against the one-offs' 1, before any aging
+
+    for i in range(period):
+        _request(tier, f"later-{i}")
+    assert "popular" not in _kept(tier)  # aged to 1 like the one-offs, and the least recent
     tier.close()
 
 
@@ -105,4 +144,17 @@ def test_wait_for_loads_returns_once_every_load_in_flight_has_finished():
     assert loader.gate.is_set()  # it waited for the gated loads
     tier.collect()
     assert (tier.loading, len(tier)) == (0, 2)  # both landed, installed by the next collect
+    tier.close()
+
+
+def test_an_unpinned_preload_stays_until_adapters_used_less_recently_go():
+    tier = HostTier(2, GatedLoader(), pin_memory=False)
+    _request(tier, "a")
+    _request(tier, "b")
+    tier.pin("preloaded")  # loads it now, ahead of any request
+    _settle(tier)
+
+    tier.unpin("preloaded")  # the tier holds 3 of 2 now
+
+    assert _kept(tier) == {"b", "preloaded"}
     tier.close()
