@@ -226,6 +226,16 @@ def _host_tier_families(stats: EngineStats, capacity: int) -> Iterator[Metric]:
     yield CounterMetricFamily("loramux:host_tier_hits", "Adapter lookups that found it ready", host.hits)
     yield CounterMetricFamily("loramux:host_tier_misses", "Adapter lookups that started a load", host.misses)
     yield CounterMetricFamily(
+        "loramux:host_tier_request_hits",
+        "Requests whose adapter was ready in host memory when they arrived",
+        host.request_hits,
+    )
+    yield CounterMetricFamily(
+        "loramux:host_tier_request_misses",
+        "Requests whose adapter was not ready in host memory when they arrived",
+        host.request_misses,
+    )
+    yield CounterMetricFamily(
         "loramux:host_tier_evictions", "Adapters dropped from host memory", host.evictions
     )
 

@@ -75,6 +75,19 @@ def test_calls_are_counted_by_adapter_and_status_and_streams_timed(worker, stub)
     assert total > 0 and value(after, "loramux:adapter_memory_used_bytes") == total  # all8 fills it
     assert value(after, "loramux:kv_cache_blocks_total") > 0
     assert value(after, "process_resident_memory_bytes") > 0
+    # all8's first request found it not ready; its next finds it held, whatever the lookups counted
+    assert grew("loramux:host_tier_request_misses_total") == 1
+    assert grew("loramux:host_tier_request_hits_total") == 0
+    _tokens(stub, _request("all8", [8, 9], 1))
+    again = scrape(worker.metrics)
+    assert (
+        value(again, "loramux:host_tier_request_hits_total")
+        - value(after, "loramux:host_tier_request_hits_total")
+        == 1
+    )
+    assert value(again, "loramux:host_tier_request_misses_total") == value(
+        after, "loramux:host_tier_request_misses_total"
+    )
 
 
 def test_lora_requests_info_names_running_and_waiting_adapters(worker, stub):
