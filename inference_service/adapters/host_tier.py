@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
+from inference_service.torch_threads import single_threaded
 from shared import adapter_blob
 from shared.model_config import ModelConfig
 from shared.peft_checkpoint import AdapterWeights
@@ -89,7 +90,10 @@ class HostTier:
         self._uses: Counter[str] = Counter()  # name -> requests that named it, aged (AGING)
         self._arrivals = 0  # requests since the last aging
         self._loading: dict[str, Future] = {}
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-load")
+        # A load's tensor work runs on its own thread: the stepping thread's ops keep the CPUs.
+        self._pool = ThreadPoolExecutor(
+            threads, thread_name_prefix="adapter-load", initializer=single_threaded
+        )
         self.hits = self.misses = self.evictions = 0
         self.request_hits = self.request_misses = 0
 

@@ -7,6 +7,9 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
+from inference_service.torch_threads import parallel
 from shared.errors import Unavailable, brief
 
 log = logging.getLogger(__name__)
@@ -22,6 +25,7 @@ class EngineThread:
     ):
         self._step, self._has_work, self._wakeup = step, has_work, wakeup
         self._step_timeout_s = step_timeout_s
+        self._torch_threads = torch.get_num_threads()  # the builder's: steps run as they would there
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_started: float | None = None  # monotonic time the step in progress began
@@ -55,6 +59,7 @@ class EngineThread:
             callback(dead)
 
     def _run(self) -> None:
+        parallel(self._torch_threads)
         try:
             while not self._stopping and self._fatal is None:
                 if self._has_work():

@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "inference_service"
 # Top to bottom; a room may import the rooms above it (and shared/, kernels/, third parties).
-ROOMS = ("model", "sampling", "default_model", "adapters", "engine", "server", "demo")
+ROOMS = ("model", "sampling", "default_model", "torch_threads", "adapters", "engine", "server", "demo")
 
 
 def _module(path: Path) -> str:

@@ -4,6 +4,8 @@ hold, and eviction that keeps the adapters waiting requests name, then the popul
 import threading
 import time
 
+import torch
+
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import AGING, HostTier, ReadyAdapter
 
@@ -37,6 +39,12 @@ def _settle(tier: HostTier) -> None:
         tier.collect()
         time.sleep(0.005)
     assert not tier.loading
+
+
+def _wait_for(condition) -> None:
+    deadline = time.monotonic() + 10
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _load(tier: HostTier, *names: str) -> None:
@@ -119,6 +127,7 @@ def test_a_queue_naming_more_adapters_than_the_tier_holds_loads_them_as_room_app
     for name in ("x", "y", "z"):
         tier.hold(name)
 
+    _wait_for(lambda: len(loader.started) == 2)  # on the loader threads
     assert sorted(loader.started) == ["x", "y"]  # z would have to evict an adapter a request waits for
     assert tier.get("z") is None and tier.loading == 2
     loader.gate.set()
@@ -158,3 +167,18 @@ def test_an_unpinned_preload_stays_until_adapters_used_less_recently_go():
 
     assert _kept(tier) == {"b", "preloaded"}
     tier.close()
+
+
+def test_loads_run_their_torch_ops_on_their_own_thread():
+    """Only the stepping thread spreads torch ops over threads (inference_service.torch_threads)."""
+    threads = []
+
+    class CountingLoader(GatedLoader):
+        def load(self, name: str) -> ReadyAdapter:
+            torch.ones(1 << 20).mul_(2)
+            threads.append(torch.get_num_threads())
+            return super().load(name)
+
+    tier = HostTier(4, CountingLoader(), pin_memory=False)
+    _load(tier, "a", "b")
+    assert threads == [1, 1]

@@ -1,0 +1,34 @@
+"""Which threads run torch's CPU ops in parallel: the stepping thread, and no other for long.
+
+torch's CPU build spreads an op over OpenMP threads, and each thread that runs a parallel op gets
+a team of its own, which lives as long as that thread. libgomp counts the threads of every team:
+once they outnumber the CPUs, all teams stop spinning at their barriers and sleep there instead,
+and a step, thousands of short parallel ops, then waits on wake-ups (measured on 2 cores: an
+engine stepping in its own thread ran 20-25% slower while the thread that built the model kept
+its team). So background threads that touch tensors (adapter loads) run their ops alone, and the
+worker builds its model in a thread that ends.
+
+torch keeps one process default for the threads of a thread's first op, and `set_num_threads`
+changes it along with the calling thread's own setting; both functions here leave it as it was.
+"""
+
+import threading
+
+import torch
+
+
+def single_threaded() -> None:
+    """From now on torch runs this thread's ops on this thread alone."""
+    default = torch.get_num_threads()  # torch sets this thread up first; it would undo what follows
+    torch.set_num_threads(1)
+    # The process default back, set from a thread that runs no op and ends at once.
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="torch-threads")
+    restore.start()
+    restore.join()
+
+
+def parallel(threads: int) -> None:
+    """From now on torch runs this thread's ops over `threads` threads, whatever the process
+    default was when the thread began (another thread may be in single_threaded)."""
+    torch.get_num_threads()  # torch sets this thread up first, from the process default
+    torch.set_num_threads(threads)
