@@ -1,9 +1,9 @@
 """Serving over gRPC against the in-process engine, on the default model: tokens/s of 32
 concurrent greedy streams (8 distinct rank-16 adapters) through the SDK (`loramux.Client`) to a
 real store and worker process, against Engine.generate on the same requests in this process.
-Rounds time both sides back to back; medians are printed.
+Rounds time both sides back to back, the first side alternating; medians are printed.
 
-    .venv/bin/python -m bench.grpc_serving [--repeats 3]
+    .venv/bin/python -m bench.grpc_serving [--repeats 5]
 """
 
 import argparse
@@ -59,7 +59,7 @@ def grpc_rate(client: loramux.Client) -> float:
 
 
 def grpc_vs_in_process(
-    model_dir: Path, repeats: int = 3, progress: Callable[[str], None] = lambda line: None
+    model_dir: Path, repeats: int = 5, progress: Callable[[str], None] = lambda line: None
 ) -> dict:
     """Tokens/s over gRPC and in process: per round, medians, ratios."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,10 +85,11 @@ def measure(
     progress("warm-up round")
     grpc_rate(client)  # adapters fetched and resident
     in_process_rate(engine)
+    sides = {"in-process": lambda: in_process_rate(engine), "grpc": lambda: grpc_rate(client)}
     for i in range(repeats):
         progress(f"round {i + 1}/{repeats}")
-        results["in-process"].append(in_process_rate(engine))
-        results["grpc"].append(grpc_rate(client))
+        for side in sorted(sides, reverse=i % 2 == 1):  # the first side alternates: drift favours neither
+            results[side].append(sides[side]())
     return results
 
 
@@ -109,8 +110,8 @@ def summary(results: dict[str, list[float]], repeats: int) -> dict:
         "setup": (
             f"default model, {STREAMS} streams x ({PROMPT} prompt + {TOKENS} new tokens), greedy, "
             f"{ADAPTERS} distinct rank-{RANK} adapters, through a store and a worker process on the same "
-            f"machine; medians of {repeats} rounds, each timing both sides back to back, after a "
-            "warm-up round"
+            f"machine; medians of {repeats} rounds, each timing both sides back to back (the first "
+            "side alternating between rounds, so the machine's drift favours neither), after a warm-up round"
         ),
         "table": table,
         "values": results,
@@ -122,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     model_dir = default_model_dir()
     result = grpc_vs_in_process(model_dir, args.repeats)
