@@ -50,7 +50,8 @@ def test_deltas_stream_then_result_holds_the_completion(client, registered):
     stream = client.generate(token_ids=PROMPT, adapter="qv4", max_tokens=6, temperature=0, ignore_eos=True)
     deltas = list(stream)
 
-    assert [len(d.token_ids) for d in deltas] == [1] * 6  # one token per engine step
+    # a token per engine step, or several joined into one delta when the reader fell behind
+    assert all(d.token_ids for d in deltas) and sum(len(d.token_ids) for d in deltas) == 6
     result = stream.result
     assert result.token_ids == [t for d in deltas for t in d.token_ids]
     assert (result.text, result.finish_reason) == ("", "length")  # no tokenizer: ids only
