@@ -6,15 +6,21 @@ once they outnumber the CPUs, all teams stop spinning at their barriers and slee
 and a step, thousands of short parallel ops, then waits on wake-ups (measured on 2 cores: an
 engine stepping in its own thread ran 20-25% slower while the thread that built the model kept
 its team). So background threads that touch tensors (adapter loads) run their ops alone, and the
-worker builds its model in a thread that ends.
+engine builds its model and reads local adapters in threads that end (in_passing_thread).
 
 torch keeps one process default for the threads of a thread's first op, and `set_num_threads`
-changes it along with the calling thread's own setting; both functions here leave it as it was.
+changes it along with the calling thread's own setting; single_threaded and parallel leave it as it
+was.
 """
 
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def single_threaded() -> None:
@@ -32,3 +38,10 @@ def parallel(threads: int) -> None:
     default was when the thread began (another thread may be in single_threaded)."""
     torch.get_num_threads()  # torch sets this thread up first, from the process default
     torch.set_num_threads(threads)
+
+
+def in_passing_thread(fn: Callable[..., T], *args) -> T:
+    """fn(*args) in a thread that ends before this returns: the team its parallel ops got ends
+    with it, rather than living on in the calling thread beside the stepping thread's."""
+    with ThreadPoolExecutor(1, thread_name_prefix="torch-passing") as pool:
+        return pool.submit(fn, *args).result()

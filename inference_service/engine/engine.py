@@ -38,6 +38,7 @@ from inference_service.engine.scheduler import ScheduledChunk, Scheduler
 from inference_service.engine.sequence import Sequence, Status
 from inference_service.engine.streams import Streams
 from inference_service.engine.tokenizer import Tokenizer
+from inference_service.torch_threads import in_passing_thread
 from shared.errors import FailedPrecondition, LoramuxError, NotFound, Unavailable, brief
 from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
@@ -58,7 +59,7 @@ class AdapterState:
 class Engine:
     def __init__(self, config: EngineConfig, loader: AdapterLoader | None = None):
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = in_passing_thread(ModelRunner, config)  # its parallel ops' team ends there
         model = self.runner.model_config
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
@@ -86,7 +87,8 @@ class Engine:
         check_adapter_id(name)
         if not isinstance(self.loader, LocalAdapterLoader):
             raise FailedPrecondition(f"adapter {name!r}: this engine's adapters come from the adapter store")
-        ready = self.host.prepare(self.loader.read(name, peft_dir))  # slow: outside the step lock
+        # slow: outside the step lock, and in a passing thread like the model's build
+        ready = in_passing_thread(lambda: self.host.prepare(self.loader.read(name, peft_dir)))
         with self._lock:
             self.loader.register(name, peft_dir)
             self.host.remove(name)

@@ -7,9 +7,6 @@ supervisor to restart it."""
 import asyncio
 import logging
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -36,7 +33,6 @@ from shared.model_config import ModelConfig
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 FAILURE_GRACE_S = 0.5  # for streams to send the status that ends them once the engine died
 MAX_MESSAGE_BYTES = 16 << 20  # what the worker sends
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -52,7 +48,7 @@ async def serve(config: WorkerConfig) -> None:
     await health.set("readiness", NOT_SERVING)
     await health.set(SERVICE, NOT_SERVING)
     store = open_store_channel(config.store, config.store_tls, config.store_token) if config.store else None
-    engine, watch = await _in_passing_thread(_build_engine, config, store)
+    engine, watch = await asyncio.to_thread(_build_engine, config, store)
     failed = _engine_failure(engine)
     servicer.engine = engine
     metrics.watch_engine(engine)
@@ -72,17 +68,6 @@ async def serve(config: WorkerConfig) -> None:
         store.close()
     if endpoint is not None:
         endpoint.close()
-
-
-async def _in_passing_thread(fn: Callable[..., T], *args) -> T:
-    """fn(*args) in a thread that ends after it: building the model runs torch ops in parallel,
-    and the OpenMP team that gives a thread would outlive it in a pooled one, slowing every step
-    (torch_threads)."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="engine-build")
-    try:
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _engine_failure(engine: Engine) -> asyncio.Future:
