@@ -295,22 +295,46 @@ def test_removed_adapter_refuses_new_requests_while_running_ones_finish(tiny_mod
     assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 6
 
 
+class _LockStep:
+    """Holds each of an engine's steps after the first until the consumer has taken the last
+    delta, so the consumer keeps up by construction rather than by timing."""
+
+    def __init__(self, engine):
+        self._engine, self._run = engine, engine.runner.run
+        self._taken = threading.Semaphore(0)
+        self._first = True
+        engine.runner.run = self._gated
+
+    def took(self) -> None:
+        self._taken.release()
+
+    def end(self) -> None:
+        self._engine.runner.run = self._run
+
+    def _gated(self, chunks):
+        if not self._first and not self._taken.acquire(timeout=5):
+            raise TimeoutError("the consumer took no delta in 5 s")
+        self._first = False
+        return self._run(chunks)
+
+
 def test_stream_yields_deltas_and_closing_it_aborts(tiny_models, tiny_adapters):
     import asyncio
 
     engine = _engine(tiny_models, tiny_adapters)
+    lock_step = _LockStep(engine)
     engine.start()
 
     async def scenario():
-        full = [
-            d
-            async for d in engine.stream(
-                Request([3, 4], "all8", SamplingParams(max_tokens=5, ignore_eos=True))
-            )
-        ]
+        full = []
+        async for d in engine.stream(Request([3, 4], "all8", SamplingParams(max_tokens=5, ignore_eos=True))):
+            full.append(d)
+            lock_step.took()
         stream = engine.stream(Request([3, 4], "qv4", SamplingParams(max_tokens=200, ignore_eos=True)))
         first = await stream.__anext__()
         await stream.aclose()
+        lock_step.end()
+        lock_step.took()  # lets the step held since the first delta run, with the abort queued
         return full, first
 
     try:
