@@ -23,6 +23,7 @@ from inference_service.model.model import LlamaModel
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import LORA_TARGETS, ModelConfig
+from shared.nonfinite import finite_rows
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,14 @@ class ModelRunner:
             logits = self.graphs.run(inputs, self._adapters)  # [chunks, vocab]
         else:
             logits = self.forward(inputs)  # [chunks, vocab]
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [chunks]
+        finite = finite_rows(logits)  # [chunks]
         non_finite = [c.seq for c, ok in zip(chunks, finite, strict=True) if not ok]
         for seq in non_finite:
             self.cache.zero_blocks(seq.block_table)
         rows = [i for i, c in enumerate(chunks) if finite[i] and c.samples]
         sampled = [chunks[i].seq for i in rows]
-        result = _sample(sampled, logits[rows]) if rows else SampleResult([], [])
+        drawn = logits if len(rows) == len(chunks) else logits[rows]  # [rows, vocab]; decode: no copy
+        result = _sample(sampled, drawn) if rows else SampleResult([], [])
         computed = [c for c, ok in zip(chunks, finite, strict=True) if ok]
         return StepOutput(computed, sampled, result, non_finite)
 

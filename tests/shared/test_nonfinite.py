@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from shared.nonfinite import first_nonfinite
+from shared.nonfinite import finite_rows, first_nonfinite
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -45,3 +45,17 @@ def test_finite_values_whose_sum_overflows_are_not_mistaken_for_inf():
 
 def test_no_tensors_hold_nothing_nonfinite():
     assert first_nonfinite({}) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_rows_names_each_row_holding_nan_or_inf(dtype):
+    matrix = torch.randn(5, 7, dtype=dtype)
+    matrix[1, 3], matrix[3, 0], matrix[4, 6] = math.nan, math.inf, -math.inf
+    assert finite_rows(matrix) == [True, False, True, False, False]
+
+
+def test_a_row_whose_sum_overflows_is_still_finite():
+    matrix = torch.full((3, 4), 3e38)  # each row's sum overflows float32, no value does
+    matrix[2, 1] = math.nan
+    assert finite_rows(matrix) == [True, True, False]
+    assert finite_rows(torch.empty(0, 4)) == []
