@@ -58,4 +58,7 @@ def test_a_row_whose_sum_overflows_is_still_finite():
     matrix = torch.full((3, 4), 3e38)  # each row's sum overflows float32, no value does
     matrix[2, 1] = math.nan
     assert finite_rows(matrix) == [True, True, False]
+
+
+def test_a_matrix_without_rows_has_no_finite_rows_to_name():
     assert finite_rows(torch.empty(0, 4)) == []
