@@ -61,7 +61,8 @@ class HostTierStats:
 
 
 class HostTier:
-    """At most `capacity` unpinned adapters stay; pinned ones never leave. A load runs once per
+    """At most `capacity` unpinned adapters stay (at capacity 0, an adapter stays only until the
+    requests waiting for it are admitted); pinned ones never leave. A load runs once per
     name however many requests wait for it; the engine collects finished loads each step.
 
     Waiting requests hold the names they use, from arrival to admission. Eviction drops adapters
@@ -114,6 +115,8 @@ class HostTier:
         self._held[name] -= 1
         if self._held[name] <= 0:
             del self._held[name]
+            if len(self._ready) > self.capacity:  # kept past capacity only while a request held it
+                self._evict()
 
     def get(self, name: str) -> ReadyAdapter | None:
         """The ready adapter (now most recently used), or None after starting its load if there
@@ -229,11 +232,14 @@ class HostTier:
         return ready, time.perf_counter() - start
 
     def _evict(self) -> None:
-        # Evicting only drops the host copy: requests already holding a device slot keep it,
-        # and waiting requests for the name simply load it again. Adapters no request holds go
-        # first, the least used first, the least recently used first among equals.
+        # Evicting only drops the host copy: requests already holding a device slot keep it. An
+        # adapter a waiting request holds never goes (it would be loaded again at once, and with
+        # capacity 0 never reach the device). Loads start only while the held adapters fit
+        # (_load_if_room), so that keeps more than `capacity` only at capacity 0, by one. Among
+        # the others, the least used go first, the least recently used first among equals.
         unpinned = [n for n in self._ready if n not in self._pinned]
-        unpinned.sort(key=lambda n: (n in self._held, self._uses[n]))  # stable: LRU order among equals
-        for name in unpinned[: max(0, len(unpinned) - self.capacity)]:
+        evictable = [n for n in unpinned if n not in self._held]
+        evictable.sort(key=lambda n: self._uses[n])  # stable: LRU order among equals
+        for name in evictable[: max(0, len(unpinned) - self.capacity)]:
             del self._ready[name]
             self.evictions += 1

@@ -16,7 +16,7 @@ class EngineConfig:
     max_loras: int = 4  # the default adapter memory holds this many adapters of max_lora_rank on every module
     max_lora_rank: int = 16
     adapter_memory: int = 0  # bytes of device memory for adapter pages (0: as max_loras says)
-    max_cpu_loras: int = 8  # ready adapters kept in host memory (pinned ones come on top)
+    max_cpu_loras: int = 8  # ready adapters kept in host memory (pinned ones come on top; 0: until admitted)
     max_num_seqs: int = 32  # running sequences
     max_num_batched_tokens: int = 512  # tokens in one step: decode tokens plus prefill chunks
     max_model_len: int = 4096  # prompt + generated tokens of one sequence (the model's limit caps it)

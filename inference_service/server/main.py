@@ -48,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="device memory for adapters, shared by all in pages of 8 rank rows (a rank-8 adapter on "
         "q and v takes a small part of a rank-64 one on every module); 0: as --max-loras says",
     )
-    p.add_argument("--max-cpu-loras", type=int, default=8, help="adapters kept ready in host memory")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=8,
+        help="adapters kept ready in host memory (0: each only until its waiting requests are admitted)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument(

@@ -141,6 +141,22 @@ def test_a_queue_naming_more_adapters_than_the_tier_holds_loads_them_as_room_app
     tier.close()
 
 
+def test_at_capacity_0_an_adapter_stays_until_the_requests_waiting_for_it_are_admitted():
+    loader = GatedLoader()
+    tier = HostTier(0, loader, pin_memory=False)
+    tier.hold("a")
+    tier.hold("a")
+    _settle(tier)
+    assert tier.get("a") is not None  # landed and kept: evicted on arrival, it would load forever
+    tier.release("a")
+    assert tier.peek("a") is not None  # the second request still waits
+    tier.release("a")
+
+    assert tier.peek("a") is None and len(tier) == 0
+    assert loader.started == ["a"]
+    tier.close()
+
+
 def test_wait_for_loads_returns_once_every_load_in_flight_has_finished():
     loader = GatedLoader()
     tier = HostTier(4, loader, pin_memory=False)

@@ -69,11 +69,13 @@ def _engine(tiny_models, tiny_adapters, loader=None, **config) -> Engine:
     return engine
 
 
-def _run_staggered(engine: Engine, prompts) -> dict[str, list[int]]:
-    """Submit each request at its arrival step, then step until all finish."""
+def _run_staggered(engine: Engine, prompts, max_steps: int = 1000) -> dict[str, list[int]]:
+    """Submit each request at its arrival step, then step until all finish (a few hundred steps;
+    an engine that never finishes them fails at `max_steps`)."""
     outputs: dict[str, list] = {}
     step = 0
     while step <= max(a for *_, a in WORKLOAD) or engine.has_work:
+        assert step < max_steps, f"requests still unfinished after {max_steps} steps"
         for i, (adapter, _, max_tokens, arrival) in enumerate(WORKLOAD):
             if arrival == step:
                 outputs[str(i)] = []
@@ -89,7 +91,8 @@ def _run_staggered(engine: Engine, prompts) -> dict[str, list[int]]:
     return {rid: [t for d in deltas for t in d.token_ids] for rid, deltas in outputs.items()}
 
 
-@pytest.mark.parametrize(("max_loras", "max_cpu_loras"), [(4, 8), (2, 2), (1, 1)])
+# max_cpu_loras 0: an adapter stays in host memory only until its waiting requests are admitted
+@pytest.mark.parametrize(("max_loras", "max_cpu_loras"), [(4, 8), (2, 2), (1, 1), (1, 0)])
 def test_staggered_mixed_adapters_equal_peft_alone(
     tiny_models, tiny_adapters, peft_reference, max_loras, max_cpu_loras
 ):
