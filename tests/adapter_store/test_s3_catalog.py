@@ -27,11 +27,12 @@ def uri() -> str:
 
 @pytest.fixture
 def stores(s3_endpoint, uri):
-    """Opens catalogs on one prefix, one per store; closes them all at the end."""
+    """Opens catalogs on one prefix, one per store (on a client of its own unless given one);
+    closes them all at the end."""
     opened = []
 
-    def open_catalog() -> S3Catalog:
-        opened.append(S3Catalog(S3Prefix(uri, s3(s3_endpoint)), EventHub(), POLL_S))
+    def open_catalog(client=None) -> S3Catalog:
+        opened.append(S3Catalog(S3Prefix(uri, client or s3(s3_endpoint)), EventHub(), POLL_S))
         return opened[-1]
 
     yield open_catalog
@@ -97,6 +98,27 @@ def test_a_pin_through_one_store_holds_for_the_other(stores):
     assert b.get("held") is None
     with pytest.raises(NotFound, match="'held'"):
         b.set_pinned("held", False)
+
+
+def test_a_delete_racing_a_pin_from_another_store_is_refused(stores, s3_endpoint, uri):
+    """Store A reads the unpinned entry, store B pins it, then A's delete reaches S3: it must act
+    only on the version A read, so A reads again, finds the pin, and refuses without force."""
+    client = s3(s3_endpoint)
+    a, b = stores(client), stores()
+    a.insert(record("raced"))
+    pins: list[bool] = []
+
+    def pin_first(**_) -> None:  # between A's read and A's DeleteObject, once
+        if not pins:
+            pins.append(b.set_pinned("raced", True).pinned)
+
+    client.meta.events.register("before-call.s3.DeleteObject", pin_first)
+    with pytest.raises(FailedPrecondition, match=r"'raced' is pinned.*force"):
+        a.delete("raced", force=False)
+    assert pins == [True]
+    assert a.get("raced").pinned and b.get("raced").pinned
+    key = uri.removeprefix(f"s3://{BUCKET}/") + "/catalog/raced.json"
+    assert json.loads(s3(s3_endpoint).get_object(Bucket=BUCKET, Key=key)["Body"].read())["pinned"]
 
 
 def test_pins_racing_a_delete_never_bring_the_entry_back(stores, s3_endpoint, uri):

@@ -22,7 +22,7 @@ class Served:
 
     blob: bytes  # the bytes its fetch streams
     digest: str  # what WatchAdapters says (and the fetch header, unless header_digest is set)
-    behaviour: str = "serve"  # serve | truncate | endless | stall | drip
+    behaviour: str = "serve"  # serve | truncate | endless | stall | drip | pause
     claimed_size: int | None = None  # the header's size_bytes (default: the blob's size)
     header_digest: str | None = None
 
@@ -33,6 +33,7 @@ class HostileStore(pb_grpc.AdapterStoreServicer):
         self.fetches: dict[str, list[int]] = defaultdict(list)  # adapter id -> offsets asked for
         self.fetch_started: dict[str, threading.Event] = defaultdict(threading.Event)
         self.released = threading.Event()  # ends every stalled fetch with UNAVAILABLE
+        self.resumed = threading.Event()  # lets every paused fetch send the rest of its blob
         self.address = ""  # HOST:PORT once started
 
     def WatchAdapters(self, request, context):
@@ -79,6 +80,14 @@ class HostileStore(pb_grpc.AdapterStoreServicer):
             if self.released.wait(0.1):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the stall was released")
         yield from ()
+
+    def _pause(self, blob: bytes, context):
+        """Half the blob, then the rest once `resumed` is set: a fetch caught in flight."""
+        yield pb.FetchAdapterResponse(chunk=blob[: len(blob) // 2])
+        while not self.resumed.wait(0.1):
+            if not context.is_active():
+                return
+        yield pb.FetchAdapterResponse(chunk=blob[len(blob) // 2 :])
 
     def _drip(self, blob: bytes, context):
         """One byte every 0.2 s: never idle, never done."""

@@ -1,10 +1,13 @@
 """A worker process against a malicious adapter store (real proto, real gRPC on loopback): every
 lie gets a precise FAILED_PRECONDITION or UNAVAILABLE naming the adapter and the problem, the
 worker goes on serving the base model and good adapters, nothing is written outside its cache,
-disk and memory stay bounded, and one stalled fetch does not hold up another adapter's."""
+disk and memory stay bounded, one stalled fetch does not hold up another adapter's, and two loads
+of one blob at once fetch it once."""
 
 import hashlib
+import inspect
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.blob_fetch import FetchLimits
 from inference_service.adapters.store_loader import StoreAdapterLoader
 from inference_service.engine import Engine, EngineConfig, Request
@@ -260,6 +264,86 @@ def test_a_partial_longer_than_the_blob_is_dropped_and_fetched_whole(
     _loader(store_channel, model, tmp_path, {"good2": digest}).load("good2")
     assert store.fetches["good2"][-2:] == [len(blob) + 4, 0]
     assert (tmp_path / adapter_blob.file_name(digest)).read_bytes() == blob
+
+
+@pytest.fixture
+def paused_store(good_blobs):
+    """Blob 'good' under two names (one content registered twice); every fetch of it sends half
+    the blob, then waits for `resumed`."""
+    blob = good_blobs["good"]
+    served = Served(blob, adapter_blob.digest(blob), "pause")
+    servicer = HostileStore({"good": served, "same-content": served})
+    server = start(servicer)
+    yield servicer
+    servicer.resumed.set()
+    server.stop(0)
+
+
+def test_two_loads_of_one_blob_at_once_fetch_it_once(paused_store, good_blobs, model, tmp_path):
+    """The second load starts while the first one's fetch is held in flight, half written: it waits
+    for that fetch and reads the file it leaves, so the store sees one fetch and the partial file
+    never has two writers."""
+    blob = good_blobs["good"]
+    digest = adapter_blob.digest(blob)
+    with grpc.insecure_channel(paused_store.address) as channel:
+        # idle timeout past the wait below: the held fetch must outlast it on a loaded machine
+        loader = StoreAdapterLoader(
+            channel, tmp_path, model, 16, torch.float32, FetchLimits(idle_timeout_s=30)
+        )
+        loader.sync({"good": digest, "same-content": digest})
+        first = _Load(loader, "good")
+        assert paused_store.fetch_started["good"].wait(10)
+        second = _Load(loader, "same-content")
+        deadline = time.monotonic() + 10
+        while len(paused_store.fetches["good"]) < 2 and not _blocked_in_loader(second):
+            assert time.monotonic() < deadline, "the second load neither fetched nor waited"
+        paused_store.resumed.set()
+        loads = [first.result(), second.result()]
+    assert paused_store.fetches == {"good": [0]}  # fetches by digest count under the first name
+    expected = AdapterImage.of(adapter_blob.decode(blob), model, torch.float32)
+    for ready, name in zip(loads, ("good", "same-content"), strict=True):
+        assert (ready.name, ready.digest, ready.image.ranks) == (name, digest, expected.ranks)
+        assert all(map(torch.equal, ready.image.pages, expected.pages))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [adapter_blob.file_name(digest)]
+    assert (tmp_path / adapter_blob.file_name(digest)).read_bytes() == blob
+
+
+class _Load(threading.Thread):
+    """loader.load(name) on a thread of its own, started at once."""
+
+    def __init__(self, loader: StoreAdapterLoader, name: str):
+        super().__init__(daemon=True)
+        self._loader, self._name = loader, name
+        self._outcome: object = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._outcome = self._loader.load(self._name)
+        except Exception as e:  # raised again by result(), on the test's thread
+            self._outcome = e
+
+    def result(self):
+        self.join(timeout=10)
+        assert not self.is_alive(), f"the load of {self._name!r} did not end"
+        if isinstance(self._outcome, Exception):
+            raise self._outcome
+        return self._outcome
+
+
+def _blocked_in_loader(thread: threading.Thread) -> bool:
+    """Whether `thread` waits inside the store loader's own code (not in a fetch, which the store
+    would see): its innermost frame is there, at the same instruction in two looks 20 ms apart."""
+
+    def where():
+        frame = sys._current_frames().get(thread.ident)
+        if frame is None or frame.f_code.co_filename != inspect.getfile(StoreAdapterLoader):
+            return None
+        return frame.f_code, frame.f_lasti
+
+    first = where()
+    time.sleep(0.02)
+    return first is not None and where() == first
 
 
 def _loader(

@@ -4,6 +4,7 @@ through others. Read from the source with `ast`, so a forbidden import fails her
 grow roots."""
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -18,16 +19,24 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _package(path: Path) -> str:
+    """The package a relative import in this file is resolved against."""
+    module = _module(path)
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
 def _imports(path: Path) -> set[str]:
     """Every module this file names in an import statement, at any depth (a function-local import
-    is an edge all the same)."""
+    is an edge all the same); relative imports are resolved against the file's package, so
+    `from ..engine import scheduler` counts as `inference_service.engine.scheduler`."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), _package(path))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
 
 
