@@ -175,11 +175,9 @@ class HostTier:
             self._start_load(name)
 
     def unpin(self, name: str) -> None:
-        self._pinned.discard(name)
-        self._evict()
-
-    def is_pinned(self, name: str) -> bool:
-        return name in self._pinned
+        if name in self._pinned:
+            self._pinned.discard(name)
+            self._evict()
 
     @property
     def loading(self) -> int:

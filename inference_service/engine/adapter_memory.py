@@ -151,6 +151,9 @@ class AdapterMemory:
         """The slot of `digest`, if resident."""
         return self._slot_of.get(digest)
 
+    def resident_digests(self) -> frozenset[str]:
+        return frozenset(self._slot_of)
+
     def pages(self, slot: int) -> Pages:
         """Per target: the first unit of each of the slot's pages, in rank order (page g holds
         ranks PAGE_RANK*g .. PAGE_RANK*g + 7); no pages once vacated."""

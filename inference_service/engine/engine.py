@@ -3,9 +3,11 @@
 Each step runs one flattened batch (decode tokens of running sequences plus prefill chunks of
 new ones), then samples, detokenizes and emits one Delta per request that made progress.
 `generate` drives steps in the caller's thread; `start` runs them in a background thread for
-`stream`, the asyncio API. Public methods are thread-safe. `submit` and `abort` never wait for a
-step (an event loop calls them): they post to an inbox the stepping thread applies at the start
-of the next step. Adapter changes and snapshots take the step lock.
+`stream`, the asyncio API. Public methods are thread-safe, and only `add_adapter`'s read of a
+checkpoint takes time: no call waits for a step. `submit` and `abort` post to an inbox the
+stepping thread applies at the start of the next step; adapter changes apply at once when no step
+runs, else the same way. Stats and adapter listings read a snapshot published after every step
+and change (GetStats, /metrics and ListAdapters answer while a long step runs).
 
 Faults: an adapter whose weights cannot be copied into a slot, or a request whose logits come
 out NaN or Inf, fails only its own requests. Any other exception, or a step running past
@@ -56,6 +58,23 @@ class AdapterState:
     pinned: bool
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """What readers outside the step see: taken by whoever holds the step lock, swapped in whole,
+    and cheap to take (a step takes one): readers build the adapter listing from it."""
+
+    stats: EngineStats
+    held: list[tuple[str, str | None, bool]]  # HostTier.held(): never changed once taken
+    resident: frozenset[str]  # digests in adapter memory
+
+    def adapters(self) -> list[AdapterState]:
+        """Every adapter held: in a device slot, in host memory, or loading; by name."""
+        return sorted(
+            AdapterState(name, digest or "", _location(digest, self.resident), pinned)
+            for name, digest, pinned in self.held
+        )
+
+
 class Engine:
     def __init__(self, config: EngineConfig, loader: AdapterLoader | None = None):
         self.config = config
@@ -74,8 +93,9 @@ class Engine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
         self.streams = Streams(self.tokenizer, eos)
         self.metrics = EngineMetrics()
-        self._lock = threading.RLock()  # held by a step, and by adapter changes and snapshots
-        self._inbox: deque[Callable[[], None]] = deque()  # submits and aborts, for the next step
+        self._lock = threading.RLock()  # held by a step, and by an adapter change made between steps
+        self._inbox: deque[Callable[[], None]] = deque()  # submits, aborts, changes for the next step
+        self._snapshot = self._take_snapshot()
         self._thread = EngineThread(self.step, lambda: self.has_work, self._wakeup, config.step_timeout_s)
         self._thread.on_fatal(self.streams.close_all)
 
@@ -87,53 +107,58 @@ class Engine:
         check_adapter_id(name)
         if not isinstance(self.loader, LocalAdapterLoader):
             raise FailedPrecondition(f"adapter {name!r}: this engine's adapters come from the adapter store")
-        # slow: outside the step lock, and in a passing thread like the model's build
+        # slow: in a passing thread like the model's build, before anything else sees it
         ready = in_passing_thread(lambda: self.host.prepare(self.loader.read(name, peft_dir)))
-        with self._lock:
-            self.loader.register(name, peft_dir)
+        self.loader.register(name, peft_dir)
+
+        def install() -> None:
             self.host.remove(name)
             self.host.put(ready)
+
+        self._change(install)
         return ready.digest
 
     def remove_adapter(self, name: str, missing_ok: bool = False) -> None:
-        """New requests for `name` get NotFound; running ones finish on the weights they have."""
-        with self._lock:
-            if not missing_ok:
-                self._require_adapter(name)
-            self.loader.unregister(name)
-            self.host.remove(name)
+        """New requests for `name` get NotFound at once; running ones finish on the weights they
+        have; its host copy goes before the next step."""
+        if not missing_ok:
+            self._require_adapter(name)
+        self.loader.unregister(name)
+        self._change(lambda: self.host.remove(name))
 
     def pin_adapter(self, name: str) -> None:
-        with self._lock:
-            self._require_adapter(name)
-            self.host.pin(name)
+        self._require_adapter(name)
+        self._change(lambda: self.host.pin(name))
 
     def unpin_adapter(self, name: str) -> None:
-        with self._lock:
-            self._require_adapter(name)
-            self.host.unpin(name)
-
-    def is_pinned(self, name: str) -> bool:
-        with self._lock:
-            return self.host.is_pinned(name)
+        self._require_adapter(name)
+        self._change(lambda: self.host.unpin(name))
 
     def held_digests(self) -> dict[str, str]:
-        """Adapter name -> digest of every adapter ready in host memory."""
-        with self._lock:
-            return {name: digest for name, digest, _ in self.host.held() if digest is not None}
+        """Adapter name -> digest of every adapter ready in host memory, as of the last step."""
+        return {name: digest for name, digest, _ in self._snapshot.held if digest is not None}
 
     def adapter_states(self) -> list[AdapterState]:
-        """Every adapter held: in a device slot, in host memory, or loading; by name."""
-        with self._lock:
-            return sorted(
-                AdapterState(name, digest or "", self._location(digest), pinned)
-                for name, digest, pinned in self.host.held()
-            )
+        """Every adapter held, as of the last step: in a device slot, in host memory, or loading;
+        by name."""
+        return self._snapshot.adapters()
 
-    def _location(self, digest: str | None) -> str:
-        if digest is None:
-            return "loading"
-        return "device" if self.memory.resident(digest) is not None else "host"
+    def _change(self, action: Callable[[], None]) -> None:
+        """Apply an adapter change now if no step runs, else at the start of the next one; it
+        never waits for a step (the store watch makes these changes)."""
+        if not self._lock.acquire(blocking=False):
+            self._post(action)
+            return
+        try:
+            self._apply_inbox()  # what was posted before comes first
+            action()
+            self._snapshot = self._take_snapshot()
+        finally:
+            self._lock.release()
+
+    def _take_snapshot(self) -> _Snapshot:
+        stats = self.metrics.snapshot(self.host.stats(), self.memory.stats(), self.scheduler.stats())
+        return _Snapshot(stats, self.host.held(), self.memory.resident_digests())
 
     def _require_adapter(self, name: str) -> None:
         if name not in self.loader:
@@ -209,9 +234,8 @@ class Engine:
         self._thread.on_fatal(callback)
 
     def stats(self) -> EngineStats:
-        """A snapshot of every counter and gauge, for export."""
-        with self._lock:
-            return self.metrics.snapshot(self.host.stats(), self.memory.stats(), self.scheduler.stats())
+        """Every counter and gauge as of the last step, for export; never waits for a step."""
+        return self._snapshot.stats
 
     @property
     def model_config(self) -> ModelConfig:
@@ -233,14 +257,14 @@ class Engine:
     def step(self) -> None:
         with self._lock:
             ran = self._step_locked()
+            self._snapshot = self._take_snapshot()
         if not ran and self.host.loading:
             self._wakeup.wait(0.005)  # only loads are pending: wait for one, or for a submit
             self._wakeup.clear()
 
     def _step_locked(self) -> bool:
         """One step; False when nothing could be scheduled."""
-        while self._inbox:
-            self._inbox.popleft()()
+        self._apply_inbox()
         self._collect_loads()
         schedule = self.scheduler.schedule()
         for seq, error in schedule.refused:
@@ -254,6 +278,10 @@ class Engine:
         if chunks:
             self._run(chunks)
         return True
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            self._inbox.popleft()()
 
     def _run(self, chunks: list[ScheduledChunk]) -> None:
         """Run the chunks, let the scheduler record what they computed and drew, stream it out."""
@@ -301,6 +329,12 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self.metrics.count_finished(seq)
         self.streams.close(seq, error)
+
+
+def _location(digest: str | None, resident: frozenset[str]) -> str:
+    if digest is None:
+        return "loading"
+    return "device" if digest in resident else "host"
 
 
 def _sequence(request: Request, device: torch.device) -> Sequence:

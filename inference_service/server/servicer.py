@@ -42,13 +42,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if delta.finish_reason is not None:
                     yield convert.final(delta, *call.finished())
 
-    # Snapshots take the engine's step lock: they wait in a thread, never on the event loop.
+    # These read what the engine published after its last step: they never wait for a step.
     async def ListAdapters(self, request, context):
-        return convert.adapters(await asyncio.to_thread(self._ready_engine().adapter_states))
+        return convert.adapters(self._ready_engine().adapter_states())
 
     async def GetModelInfo(self, request, context):
         return convert.model_info(self._ready_engine())
 
     async def GetStats(self, request, context):
-        snapshot = await asyncio.to_thread(self._ready_engine().stats)
-        return convert.stats(snapshot, self.admission.in_flight)
+        return convert.stats(self._ready_engine().stats(), self.admission.in_flight)

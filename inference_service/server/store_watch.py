@@ -90,5 +90,5 @@ class StoreWatch:
     def _set_pinned(self, adapter: pb.Adapter) -> None:
         if adapter.pinned:
             self._engine.pin_adapter(adapter.adapter_id)  # starts its load if it is not held
-        elif self._engine.is_pinned(adapter.adapter_id):
-            self._engine.unpin_adapter(adapter.adapter_id)
+        else:
+            self._engine.unpin_adapter(adapter.adapter_id)  # nothing to do where it is not pinned

@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
 from tests.adapter_store.conftest import spawn
-from tests.e2e.faulty_worker import FAULT
+from tests.e2e.faulty_worker import FAULT, HANGING
+from tests.prometheus_scrape import logged_metrics_address, scrape, value
 
 STREAMS = 3
 STEP_TIMEOUT_S = 2.0
@@ -80,3 +81,32 @@ def test_an_engine_fault_ends_every_stream_with_unavailable_and_the_worker_exits
     assert ("Traceback" if fault == "raise" else "giving up on the engine") in (
         tmp_path / "worker.log"
     ).read_text()
+
+
+def test_stats_metrics_and_adapter_listings_answer_while_a_step_hangs(tiny_models, tmp_path):
+    """They read what the last step published, so a step that runs long (a hung device here, a
+    CPU shared with other workers in practice) delays none of them; the old ones waited for the
+    step's lock, past any scrape timeout."""
+    log = tmp_path / "worker.log"
+    env = {"LORAMUX_FAULT": "hang", "LORAMUX_FAULT_AFTER_STEPS": "0", "LORAMUX_CACHE": str(tmp_path)}
+    args = ["--listen", "127.0.0.1:0", "--model", str(tiny_models["llama"]), "--step-timeout", "600"]
+    process, address = spawn("tests.e2e.faulty_worker", [*args, "--metrics-listen", "127.0.0.1:0"], env, log)
+    try:
+        metrics = logged_metrics_address(log)
+        with grpc.insecure_channel(address) as channel:
+            stub = inference_grpc.InferenceServiceStub(channel)
+            stream = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7])), timeout=60)
+            deadline = time.monotonic() + 30
+            while HANGING not in log.read_text():  # the stream's first step holds the engine now
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=5)
+            assert stub.ListAdapters(pb.ListAdaptersRequest(), timeout=5).adapters == []
+            samples = scrape(metrics)  # urllib's timeout: 10 s, Prometheus' default scrape timeout
+            assert stats.in_flight == 1
+            assert value(samples, "loramux:generate_calls_in_flight") == 1
+            stream.cancel()
+    finally:
+        process.kill()
+        process.wait(timeout=30)

@@ -34,8 +34,8 @@ class FlakyEngine:
     def remove_adapter(self, name: str, missing_ok: bool = False) -> None:
         pass
 
-    def is_pinned(self, name: str) -> bool:
-        return False
+    def unpin_adapter(self, name: str) -> None:
+        pass
 
 
 def test_a_failing_event_does_not_stop_the_watch(store, admin, sources_root, tiny_models, tmp_path):

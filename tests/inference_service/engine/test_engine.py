@@ -419,3 +419,49 @@ def test_pinned_adapter_stays_in_the_host_tier_under_pressure(tiny_models, tiny_
     engine.generate([Request([3, 4], "qv4", params)])
     engine.generate([Request([3, 4], "all8", params)])
     assert loader.calls == ["qv4", "all8"]  # unpinned, it left the tier like any other
+
+
+def test_adapter_changes_and_snapshots_never_wait_for_a_step(tiny_models, tiny_adapters, monkeypatch):
+    """What the store watch, GetStats, /metrics and ListAdapters call returns while a step runs
+    (held open here: a hung device, or a step starved of CPU); the changes apply before the next
+    step, and a removed adapter is refused at once."""
+    engine = _engine(tiny_models, tiny_adapters)
+    forward, entered, release = engine.runner.forward, threading.Event(), threading.Event()
+
+    def held_forward(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", held_forward)
+    finished = threading.Event()
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.submit(Request([5, 6, 7], "all8", params), lambda d: d.finish_reason and finished.set())
+    engine.start()
+    try:
+        assert entered.wait(30)
+        calls = [
+            engine.stats,
+            engine.adapter_states,
+            engine.held_digests,
+            lambda: engine.pin_adapter("qv4"),
+            lambda: engine.unpin_adapter("pattern"),
+            lambda: engine.remove_adapter("re2"),
+        ]
+        caller = threading.Thread(target=lambda: [call() for call in calls])
+        caller.start()
+        caller.join(timeout=30)
+        assert not caller.is_alive(), "a call waited for the step held open"
+        assert entered.is_set() and not release.is_set()  # all of them answered during the step
+        with pytest.raises(NotFound):
+            engine.submit(Request([5], "re2", params), lambda d: None)
+    finally:
+        release.set()
+    assert finished.wait(30)
+    deadline = time.monotonic() + 30
+    while "re2" in engine.held_digests():  # the next step's snapshot
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    states = {s.name: s for s in engine.adapter_states()}
+    assert states["qv4"].pinned and not states["pattern"].pinned
+    engine.stop()
