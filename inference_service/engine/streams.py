@@ -47,11 +47,14 @@ class Streams:
     def emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
         """Send the delta of a token just added to the sequence's output; returns the finish
         reason that token brings ("stop", "length"), or None while the request goes on."""
-        stream = self._open.get(seq.request_id)
-        if stream is None:  # ended by close_all while the step ran
-            return None
-        text = stream.detokenizer.push(token) if stream.detokenizer else ""
-        stream.sink(Delta(seq.request_id, [token], text, [logprobs] if logprobs else []))
+        # Under the lock: close_all (the watchdog's, while an overrunning step goes on) either
+        # ends the stream before this delta or after it, never between the lookup and the send.
+        with self._lock:
+            stream = self._open.get(seq.request_id)
+            if stream is None:  # ended by close_all while the step ran
+                return None
+            text = stream.detokenizer.push(token) if stream.detokenizer else ""
+            stream.sink(Delta(seq.request_id, [token], text, [logprobs] if logprobs else []))
         return self._finish_reason(stream, token)
 
     def close(self, seq: Sequence, error: LoramuxError | None = None) -> None:
