@@ -142,6 +142,8 @@ def completion(deltas: list[Delta], final: inference_pb.Final) -> Completion:
         time_to_first_token_s=final.timings.time_to_first_token_s,
         total_s=final.timings.total_s,
         logprobs=[lp for d in deltas for lp in d.logprobs],
+        request_id=final.request_id,
+        worker_request_id=final.worker_request_id,
     )
 
 

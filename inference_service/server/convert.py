@@ -23,16 +23,19 @@ LOCATIONS = {
 }
 
 
-def request(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int) -> Request:
-    """The engine's request. The cheap checks come first and the prompt is tokenized last, in time
-    proportional to a prompt already bounded by `max_model_len`. The client's request_id is a label
-    only: the engine's key is always a fresh id, so no caller can collide with another's."""
+def request(
+    message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int, worker_request_id: str
+) -> Request:
+    """The engine's request, keyed by the worker's own id. The cheap checks come first and the
+    prompt is tokenized last, in time proportional to a prompt already bounded by `max_model_len`.
+    The client's request_id is a label only (logged, and echoed in Final), so no caller can
+    collide with another's."""
     label = message.request_id
     if len(label) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id is {len(label)} characters long; at most {MAX_REQUEST_ID_CHARS}")
     adapter = check_adapter_id(message.adapter) if message.adapter else None
     params = sampling(message.sampling)
-    return Request(prompt_ids(message, tokenizer, max_model_len), adapter, params)
+    return Request(prompt_ids(message, tokenizer, max_model_len), adapter, params, worker_request_id)
 
 
 def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int) -> list[int]:
@@ -97,12 +100,14 @@ def delta(d: Delta) -> pb.GenerateResponse:
     return pb.GenerateResponse(delta=pb.Delta(token_ids=d.token_ids, text=d.text, logprobs=logprobs))
 
 
-def final(d: Delta, first_token_s: float, total_s: float) -> pb.GenerateResponse:
+def final(d: Delta, label: str, first_token_s: float, total_s: float) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         final=pb.Final(
             finish_reason=FINISH_REASONS[d.finish_reason],
             usage=pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens),
             timings=pb.Timings(time_to_first_token_s=first_token_s, total_s=total_s),
+            request_id=label,
+            worker_request_id=d.request_id,
         )
     )
 

@@ -1,11 +1,13 @@
 """The InferenceService gRPC servicer: each method decodes, calls the engine, encodes."""
 
 import asyncio
+import uuid
 
 from inference_service.engine import Engine
 from inference_service.server import convert
 from inference_service.server.admission import Admission
 from inference_service.server.prometheus_metrics import WorkerMetrics
+from inference_service.server.request_log import request_log
 from shared.errors import Unavailable
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -24,13 +26,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return self.engine
 
     async def Generate(self, request, context):
+        worker_request_id = uuid.uuid4().hex
         # Admission before tokenizing: an overloaded worker refuses at once (and that is counted).
-        with self.metrics.generate_call(request.adapter) as call, self.admission.enter():
+        with (
+            self.metrics.generate_call(request.adapter) as call,
+            request_log(worker_request_id, request.request_id, request.adapter),
+            self.admission.enter(),
+        ):
             engine = self._ready_engine()
             # Tokenizing and templating take time in proportion to the prompt: in a thread, so the
             # event loop goes on serving every other call meanwhile.
             engine_request = await asyncio.to_thread(
-                convert.request, request, engine.tokenizer, engine.max_model_len
+                convert.request, request, engine.tokenizer, engine.max_model_len, worker_request_id
             )
             async for delta in engine.stream(engine_request):
                 if delta.token_ids:
@@ -40,7 +47,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if delta.error is not None:
                     raise delta.error
                 if delta.finish_reason is not None:
-                    yield convert.final(delta, *call.finished())
+                    yield convert.final(delta, request.request_id, *call.finished())
 
     # These read what the engine published after its last step: they never wait for a step.
     async def ListAdapters(self, request, context):

@@ -47,7 +47,9 @@ def stats(worker):
 
 
 def test_deltas_stream_then_result_holds_the_completion(client, registered):
-    stream = client.generate(token_ids=PROMPT, adapter="qv4", max_tokens=6, temperature=0, ignore_eos=True)
+    stream = client.generate(
+        token_ids=PROMPT, adapter="qv4", request_id="mine", max_tokens=6, temperature=0, ignore_eos=True
+    )
     deltas = list(stream)
 
     # a token per engine step, or several joined into one delta when the reader fell behind
@@ -57,6 +59,7 @@ def test_deltas_stream_then_result_holds_the_completion(client, registered):
     assert (result.text, result.finish_reason) == ("", "length")  # no tokenizer: ids only
     assert (result.prompt_tokens, result.completion_tokens) == (3, 6)
     assert 0 < result.time_to_first_token_s <= result.total_s < 30
+    assert result.request_id == "mine" and len(result.worker_request_id) == 32
 
 
 def test_greedy_repeats_and_a_seed_fixes_sampling(client):

@@ -2,6 +2,7 @@
 deletes, a store outage, a full queue, a cancel storm and a SIGTERM drain."""
 
 import random
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -96,6 +97,32 @@ def test_unknown_adapter_and_bad_input_get_precise_statuses(generate, registered
         with pytest.raises(grpc.RpcError) as e:
             _tokens(generate, request)
         assert e.value.code() == code and named in e.value.details()
+
+
+def test_request_id_is_echoed_in_final_and_names_the_request_in_the_workers_log(generate, worker, registered):
+    """Two calls may carry the same request_id (a label of the caller's): both run, and each Final
+    gives it back with the worker's own id, which the worker's log lines about the request use."""
+    same = [_request(None, [5, 6], 3), _request("all8", [7, 8], 3)]
+    for request in same:
+        request.request_id = "caller-7"
+    with ThreadPoolExecutor(2) as pool:
+        finals = [final for _, final in pool.map(lambda r: _tokens(generate, r), same)]
+    assert [f.request_id for f in finals] == ["caller-7", "caller-7"]
+    assert (
+        all(f.worker_request_id for f in finals)
+        and finals[0].worker_request_id != finals[1].worker_request_id
+    )
+
+    lost = _request("no-such-adapter", [5], 4)
+    lost.request_id = "caller-8\nforged line"
+    with pytest.raises(grpc.RpcError):
+        _tokens(generate, lost)
+    until(lambda: "caller-8" in worker.log.read_text())
+    line = next(line for line in worker.log.read_text().splitlines() if "caller-8" in line)
+    assert re.search(
+        r"request [0-9a-f]{32} \(request_id 'caller-8\\nforged line', adapter 'no-such-adapter'\)", line
+    )
+    assert "NOT_FOUND" in line
 
 
 def test_pinning_in_the_store_preloads_the_adapter_on_the_worker(generate, admin, sources_root, long_model):
