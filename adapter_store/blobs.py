@@ -8,18 +8,16 @@ killed write are removed at start. Readers get an open file, so a delete never b
 that is already streaming: on POSIX the descriptor keeps the unlinked file alive.
 """
 
-import hashlib
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from shared.adapter_blob import digest as blob_digest
+from shared.adapter_blob import file_digest, is_digest
 from shared.errors import NotFound
 
-_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
-_HEX_NAME = re.compile(r"[0-9a-f]{64}")
+_PREFIX = "sha256:"
 # A leading dot and a non-hex word: a temp name can never be taken for a digest.
 _TEMP_PREFIX = ".tmp-"
 
@@ -41,10 +39,9 @@ class Blobs(Protocol):
 def digest_hex(digest: str) -> str:
     """The 64 hex digits of a digest; NotFound for anything else. Strict, so a digest from a
     request can never name a path outside the blob directory or an S3 key outside the prefix."""
-    match = _DIGEST.fullmatch(digest)
-    if match is None:
+    if not is_digest(digest):
         raise NotFound(f"blob {digest!r} not found: not a sha256:<64 lowercase hex> digest")
-    return match.group(1)
+    return digest.removeprefix(_PREFIX)
 
 
 class BlobStore:
@@ -73,18 +70,18 @@ class BlobStore:
             raise NotFound(f"blob {digest} not found") from None
 
     def exists(self, digest: str) -> bool:
-        return _DIGEST.fullmatch(digest) is not None and self._path(digest).is_file()
+        return is_digest(digest) and self._path(digest).is_file()
 
     def delete(self, digest: str) -> None:
         self._path(digest).unlink(missing_ok=True)
 
     def digests(self) -> set[str]:
-        return {f"sha256:{name}" for name in os.listdir(self._dir) if _HEX_NAME.fullmatch(name)}
+        return {_PREFIX + name for name in os.listdir(self._dir) if is_digest(_PREFIX + name)}
 
     def verify(self, digest: str) -> bool:
         """Re-hashes the file: False when the bytes on disk no longer match their name."""
         with self.open(digest) as f:
-            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest() == digest
+            return file_digest(f) == digest
 
     def _path(self, digest: str) -> Path:
         return self._dir / digest_hex(digest)

@@ -58,6 +58,11 @@ def digest(blob: bytes) -> str:
     return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
+def file_digest(f: BinaryIO) -> str:
+    """The digest of a blob file's bytes from where `f` stands to its end, read in chunks."""
+    return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def digest_of(weights: AdapterWeights) -> str:
     """digest(encode(weights)), hashed straight from the tensors: the blob is never built, which
     saves a loader that only needs the identity a copy of every weight. The bytes hashed are the

@@ -153,16 +153,6 @@ class ModelConfig:
             for name, (fin, fout) in in_out.items()
         }
 
-    def packed_slices(self) -> dict[str, tuple[int, ...]]:
-        """Packed module -> output size of each slice, in slice order."""
-        slices: dict[str, list[int]] = {}
-        for shape in self.linear_shapes().values():
-            slices.setdefault(shape.packed, []).append(shape.out_features)
-        return {name: tuple(sizes) for name, sizes in slices.items()}
-
-    def packed_in_features(self) -> dict[str, int]:
-        return {s.packed: s.in_features for s in self.linear_shapes().values()}
-
 
 def _rope_config(cfg: dict) -> RopeConfig:
     # transformers 5 writes rope_parameters (theta inside); older configs write rope_theta and

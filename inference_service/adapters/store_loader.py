@@ -5,7 +5,6 @@ The store is untrusted input: a digest names a file only once it is "sha256:" + 
 blob's hash is checked (as it is fetched, or on its first read from the cache in this process)
 and every blob is validated against the model before the engine sees it."""
 
-import hashlib
 import logging
 import os
 import threading
@@ -118,7 +117,7 @@ class StoreAdapterLoader:
         if not path.is_file():
             return None
         if digest not in self._verified:
-            if path.stat().st_size > self._limits.max_bytes or _file_digest(path) != digest:
+            if path.stat().st_size > self._limits.max_bytes or _digest_of_file(path) != digest:
                 log.warning("cached adapter blob %s is corrupt or too large; fetching it again", path.name)
                 path.unlink(missing_ok=True)
                 return None
@@ -135,9 +134,9 @@ class StoreAdapterLoader:
         return path
 
 
-def _file_digest(path: Path) -> str:
+def _digest_of_file(path: Path) -> str:
     with open(path, "rb") as f:
-        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+        return adapter_blob.file_digest(f)
 
 
 def _warn_if_invalid(name: str, digest: str) -> None:

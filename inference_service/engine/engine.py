@@ -245,7 +245,7 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         """The most tokens (prompt plus output) one request may hold: the worker's limit or the model's."""
-        return min(self.config.max_model_len, self.runner.model_config.max_position_embeddings)
+        return self.runner.max_model_len
 
     @property
     def has_work(self) -> bool:

@@ -61,12 +61,16 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
 
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt plus output) one sequence may hold: the worker's limit or the model's."""
+        return min(self.config.max_model_len, self.model_config.max_position_embeddings)
+
     def decode_buffers(self) -> DecodeBuffers:
         """Static inputs for decode steps of up to max_num_seqs sequences of up to max_model_len."""
-        max_len = min(self.config.max_model_len, self.model_config.max_position_embeddings)
         return DecodeBuffers(
             self.config.max_num_seqs,
-            -(-max_len // self.config.block_size),
+            -(-self.max_model_len // self.config.block_size),
             self.config.block_size,
             self.num_blocks,  # the scratch block
             self.model_config.sliding_window,

@@ -132,11 +132,3 @@ class LlamaModel(nn.Module):
             x = layer(x, batch, cache, cos, sin)
         x = self.norm(x[batch.logit_rows])  # [rows, hidden]
         return F.linear(x, self.lm_head).float()  # [rows, vocab]
-
-    def lora_linears(self) -> dict[tuple[int, str], LoRALinear]:
-        """(layer, packed module name) -> the layer's LoRALinear."""
-        found = {}
-        for i, layer in enumerate(self.layers):
-            for name, module in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
-                found[(i, name)] = module
-        return found

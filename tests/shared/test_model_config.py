@@ -62,11 +62,18 @@ def test_qwen2_has_qkv_bias_and_no_window_unless_enabled():
 
 def test_gqa_slices_and_head_dim():
     cfg = ModelConfig.from_dict({**BASE, "head_dim": 32})
-    assert cfg.packed_slices() == {
-        "qkv_proj": (128, 64, 64),
-        "o_proj": (64,),
-        "gate_up_proj": (96, 96),
-        "down_proj": (64,),
+    shapes = {
+        name: (s.packed, s.slice_index, s.in_features, s.out_features)
+        for name, s in cfg.linear_shapes().items()
+    }
+    assert shapes == {
+        "q_proj": ("qkv_proj", 0, 64, 128),
+        "k_proj": ("qkv_proj", 1, 64, 64),
+        "v_proj": ("qkv_proj", 2, 64, 64),
+        "o_proj": ("o_proj", 0, 128, 64),
+        "gate_proj": ("gate_up_proj", 0, 64, 96),
+        "up_proj": ("gate_up_proj", 1, 64, 96),
+        "down_proj": ("down_proj", 0, 96, 64),
     }
 
 
