@@ -9,6 +9,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
 from inference_service.sampling import SamplingParams
+from tests.fp32_agreement import assert_fp32_agrees
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +18,18 @@ def runner(default_model_dir) -> ModelRunner:
 
 
 def test_logits_match_transformers(runner, tokenizer, default_model_dir):
+    """As closely as fp32 allows (tests/fp32_agreement.py): the root mean square of our logits'
+    distance from transformers' float64 forward is within twice its fp32 forward's."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. In 1905, Einstein")
-    with torch.no_grad():
-        expected = reference(input_ids=torch.tensor([ids])).logits[0]  # [len, vocab]
+    expected = []
+    for dtype in (torch.float32, torch.float64):
+        reference = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=dtype).eval()
+        with torch.no_grad():
+            expected.append(reference(input_ids=torch.tensor([ids])).logits[0])  # [len, vocab]
     ours = runner.forward([SequenceInput(ids, 0, list(range(-(-len(ids) // 16))))], all_logits=True)
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    assert_fp32_agrees(ours, *expected)
 
 
 def test_greedy_capital_of_france_is_paris(default_model_dir, tokenizer):
