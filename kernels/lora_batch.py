@@ -1,7 +1,8 @@
 """Per-step LoRA metadata: which adapter every token of the flattened batch uses, and where that
 adapter's pages lie in the adapter memory.
 
-Adapter memory is one flat pool per layer (S-LoRA's unified paging, with pages of rank rows).
+Adapter memory is one flat pool per layer, in pages of rank rows, for adapters only: S-LoRA's
+unified paging puts adapters and KV cache in one pool, here the KV cache has its own blocks.
 An adapter of rank r on target t (q, k, v, o, gate, up, down: PACKED_MODULES order) holds
 ceil(r / PAGE_RANK) pages there; its page g holds ranks PAGE_RANK*g .. PAGE_RANK*g + 7 of that
 target, as A rows then B^T rows (scaling merged into B), at a unit offset u of the pool:

@@ -48,7 +48,7 @@ def lora_ref(
     target: int,
 ) -> torch.Tensor:
     """Plain per-token loop in fp64: the definition lora_bmm is checked against. The adapter's
-    lora_A output is rounded to the serving dtype, as PEFT's is."""
+    lora_A output is rounded to x's dtype, as PEFT's is; y's new value is returned in fp64, unrounded."""
     out = y.double().clone()
     a, b = page_views(pool, unit, x.shape[1], y.shape[1])
     for i, slot in enumerate(token_slots):
@@ -59,4 +59,4 @@ def lora_ref(
         a_rows = a[pages].reshape(-1, x.shape[1])[:rank].double()  # [r, in]
         b_rows = b[pages].reshape(-1, y.shape[1])[:rank].double()  # [r, out]
         out[i] += (a_rows @ x[i].double()).to(x.dtype).double() @ b_rows
-    return out.to(y.dtype)
+    return out

@@ -101,7 +101,8 @@ def _expand_kernel(
         delta = dot(buf.to(pool_ptr.dtype.element_ty), b, DOT_FP32)  # [M, N]
         y = y_ptr + tokens[:, None] * y_stride + offset + n[None, :]
         keep = row_ok[:, None] & n_ok[None, :]
-        tl.store(y, (tl.load(y, mask=keep).to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
+        y_old = tl.load(y, mask=keep, other=0.0).to(tl.float32)  # [M, N]
+        tl.store(y, (y_old + delta).to(y_ptr.dtype.element_ty), mask=keep)
 
 
 def lora_expand_ref(
@@ -116,7 +117,8 @@ def lora_expand_ref(
     in_features: int,
 ) -> torch.Tensor:
     """Plain per-token loop in fp64: the definition the LoRA expand paths are checked against.
-    buf: [tokens, slices, >= every adapter's rank on these targets]; returns y's new value."""
+    buf: [tokens, slices, >= every adapter's rank on these targets]; returns y's new value in
+    fp64, unrounded."""
     out = y.double().clone()
     for i, slot in enumerate(token_slots):
         if slot < 0:
@@ -129,4 +131,4 @@ def lora_expand_ref(
                 start = page * unit + PAGE_RANK * in_features + (j % PAGE_RANK) * size
                 out[i, offset : offset + size] += buf[i, s, j].double() * pool[start : start + size].double()
             offset += size
-    return out.to(y.dtype)
+    return out

@@ -93,7 +93,8 @@ def _shrink_kernel(
         for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < in_features
-            x = tl.load(x_ptr + tokens[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
+            x_ptrs = x_ptr + tokens[:, None] * x_stride + k[None, :]
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, K]
             a = tl.load(a_rows[None, :] + k[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)  # [K, R]
             acc += dot(x, a, DOT_FP32)  # [M, R]
         num_slices = tl.num_programs(1)
@@ -111,7 +112,7 @@ def lora_shrink_ref(
     slices: int,
 ) -> torch.Tensor:
     """Plain per-token loop in fp64: the definition the LoRA shrink paths are checked against. Returns
-    [tokens, slices, rank] in x's dtype, rank the largest of `adapters` on these slices' targets."""
+    [tokens, slices, rank] fp64, unrounded, rank the largest of `adapters` on these slices' targets."""
     in_features = x.shape[1]
     targets = range(first_target, first_target + slices)
     rank = max((p.ranks[t] for p in adapters.values() for t in targets), default=0)
@@ -123,4 +124,4 @@ def lora_shrink_ref(
             for j in range(adapters[slot].ranks[t]):
                 start = adapters[slot].pages[t][j // PAGE_RANK] * unit + (j % PAGE_RANK) * in_features
                 out[i, s, j] = pool[start : start + in_features].double() @ x[i].double()
-    return out.to(x.dtype)
+    return out

@@ -164,7 +164,8 @@ def paged_decode_attention_ref(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Plain per-sequence loop in fp64: the definition paged_decode_attention is checked against."""
+    """Plain per-sequence loop in fp64: the definition paged_decode_attention is checked against.
+    Returns fp64, unrounded."""
     q, k_cache, v_cache, block_tables = q.cpu(), k_cache.cpu(), v_cache.cpu(), block_tables.cpu().long()
     _, block_size, kv_heads, _ = k_cache.shape
     group = q.shape[1] // kv_heads
@@ -177,4 +178,4 @@ def paged_decode_attention_ref(
         v = v_cache[blocks, pos % block_size].double().repeat_interleave(group, 1)
         scores = torch.einsum("hd,khd->hk", q[i].double(), k) * scale  # [heads, keys]
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
-    return out.to(q.dtype)
+    return out

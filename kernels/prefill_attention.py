@@ -126,8 +126,8 @@ def prefill_attention_ref(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Plain per-chunk loop in fp64: the definition prefill_attention is checked against. Rows
-    of q outside every chunk are zero."""
+    """Plain per-chunk loop in fp64: the definition prefill_attention is checked against. Returns
+    fp64, unrounded; rows of q outside every chunk are zero."""
     q, k_cache, v_cache, block_tables = q.cpu(), k_cache.cpu(), v_cache.cpu(), block_tables.cpu().long()
     _, block_size, kv_heads, _ = k_cache.shape
     group = q.shape[1] // kv_heads
@@ -146,4 +146,4 @@ def prefill_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", q[start : start + n].double(), k) * scale
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [heads, queries, keys]
         out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out.to(q.dtype)
+    return out

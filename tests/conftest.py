@@ -11,6 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every test that runs a kernel in the interpreter (the kernels' own, and the model's Triton path)
+# reads NaN where a masked load without `other=` would read garbage on a GPU.
+from tests.kernels.poisoned_loads import poisoned_masked_loads  # noqa: F401  (autouse)
+
 
 def pytest_collection_modifyitems(items):
     """Tests marked gpu run only where CUDA is present."""

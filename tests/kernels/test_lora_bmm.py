@@ -8,9 +8,10 @@ import torch
 from kernels.lora_batch import PAGE_RANK, LoraBatch, page_views
 from kernels.lora_bmm import lora_bmm, lora_ref
 from tests.kernels.paged_adapters import RANKS, UNIT, paged_adapters
+from tests.kernels.rounding import assert_within, cast_error, fp32_error, gamma
 from tests.kernels.slot_spread import SPREADS, token_slots
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
 SLICES = {"qkv": (0, (40, 16, 16)), "o": (3, (40,)), "gate_up": (4, (48, 48))}  # first target, sizes
 
 
@@ -28,12 +29,40 @@ def _memory(first_target: int, in_features: int, sizes: tuple[int, ...], dtype: 
     return pool, adapters
 
 
+def _bound(y, x, pool, slots, adapters, target):
+    """How far lora_bmm may be from lora_ref on fp64 operands, in two stages, as lora_A's output
+    s_j = A_j x is cast to the dtype in between. Summed in fp32 (one product and at most
+    in - 1 additions a term, gamma_1 = gamma(in * fp32_error)) and cast (c = cast_error),
+    s_j is off by at most (1 + c)(gamma_1 m_j + c |s_j|), m_j = sum_i |A_ji x_i|. Then
+    y + sum_j s_j B_j, whose terms take at most rank - 1 additions, the cast of the sum, the
+    addition to y and the cast of the result, is off by gamma_2 (|y| + sum_j |s_j B_j|) more,
+    gamma_2 = gamma((rank + 1) * fp32_error + 2c), s_j being the computed ones, each within
+    its error of the exact one. With M1 = sum_j |B_j| m_j and M2 = sum_j |B_j s_j|, that is
+    (1 + gamma_2)(1 + c)(gamma_1 M1 + c M2) + gamma_2 (|y| + M2)."""
+    in_features, size = x.shape[1], y.shape[1]
+    c, fp32 = cast_error(x.dtype), fp32_error(x.device)
+    gamma_1 = gamma(in_features * fp32)
+    gamma_2 = gamma((max(map(max, RANKS)) + 1) * fp32 + 2 * c)
+    a, b = page_views(pool.double(), UNIT, in_features, size)
+    m1 = torch.zeros(y.shape, dtype=torch.float64)  # [tokens, size]
+    m2 = torch.zeros_like(m1)
+    for i, slot in enumerate(slots):
+        rank = adapters[slot].ranks[target] if slot >= 0 else 0
+        if rank:
+            pages = list(adapters[slot].pages[target])
+            a_rows = a[pages].reshape(-1, in_features)[:rank]  # [r, in]
+            b_rows = b[pages].reshape(-1, size)[:rank].abs()  # [r, size]
+            m1[i] = (a_rows.abs() @ x[i].double().abs()) @ b_rows
+            m2[i] = (a_rows @ x[i].double()).abs() @ b_rows
+    return (1 + gamma_2) * (1 + c) * (gamma_1 * m1 + c * m2) + gamma_2 * (y.double().abs() + m2)
+
+
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize("module", sorted(SLICES))
 @pytest.mark.parametrize("base_every", [0, 3])
 @pytest.mark.parametrize("tokens", [1, 29])
 @pytest.mark.parametrize("grouped", [False, True], ids=["scattered", "grouped"])  # grouped: chunks are ranges
-@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, grouped, dtype):
     first_target, sizes = SLICES[module]
     in_features = 24
@@ -47,11 +76,12 @@ def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, grou
     out, offset = y.clone(), 0
     for s, size in enumerate(sizes):
         target = first_target + s
-        expected = lora_ref(y[:, offset : offset + size], x, pool, UNIT, slots, adapters, target)
+        columns = slice(offset, offset + size)
+        # on fp64 operands lora_ref rounds nothing: lora_A's output is cast to fp64
+        exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
         for work in batch.rows[target] or ():
-            lora_bmm(out[:, offset : offset + size], x_padded, pool, UNIT, work)
-        tol = TOLERANCE[dtype]
-        torch.testing.assert_close(out[:, offset : offset + size], expected, atol=10 * tol, rtol=tol)
+            lora_bmm(out[:, columns], x_padded, pool, UNIT, work)
+        assert_within(out[:, columns], exact, _bound(y[:, columns], x, pool, slots, adapters, target))
         offset += size
 
 
