@@ -1,6 +1,7 @@
 """Run the adapter store: the gRPC server with its interceptors, health and reflection, until a
 signal stops it."""
 
+import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,7 @@ from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 4 << 20  # fetch chunks are 1 MiB; nothing else comes close
 GRACE_S = 5.0
+UNWIND_S = 1.0  # for the tasks of calls the stop ended (a cancelled watch) to finish
 
 
 async def serve(config: StoreConfig) -> None:
@@ -51,9 +53,20 @@ async def serve(config: StoreConfig) -> None:
         log.info("stopping: new calls are refused, calls in flight get %.0f s", GRACE_S)
         await health.enter_graceful_shutdown()
         await server.stop(GRACE_S)
+        await _calls_unwound(UNWIND_S)
         if endpoint is not None:
             endpoint.close()  # before the catalog it reads closes
     store.close()
+
+
+async def _calls_unwound(timeout_s: float) -> None:
+    """grpc's stop returns once core has ended every call, not once the tasks running them have
+    unwound: a watch stream never ends by itself, so at a stop its handler is still being
+    cancelled. Returning then would let uvloop.run cancel grpc's task awaiting that handler,
+    which grpc logs as "Exception not handled by _handle_exceptions" with a CancelledError."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=timeout_s)
 
 
 def _interceptors(config: StoreConfig) -> list[grpc.aio.ServerInterceptor]:

@@ -20,6 +20,9 @@ from inference_service.default_model import prepare_default_model
 DEMO_ADAPTERS = Path(__file__).resolve().parent / "demo_adapters"
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?"]
 READY_TIMEOUT_S = 180
+# Ctrl-C, kill, a closed terminal: the services sit in their own process groups, so these reach
+# only this process, which then stops the services in order (_stop).
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def main() -> None:
@@ -60,15 +63,19 @@ def main() -> None:
         _wait_ready(worker_address, "readiness")
         asyncio.run(_demo(store_address, worker_address))
         _print_usage(store_address, worker_address)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        signal.sigwait(STOP_SIGNALS)
+    except KeyboardInterrupt:  # Ctrl-C before serving: the services' stop lines say enough
+        sys.exit(130)
     finally:
         _stop(processes)
 
 
 def _spawn(module: str, *args: str) -> subprocess.Popen:
-    # The services log to stderr; their stdout (one "listening on" line) is not needed here.
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL)
+    """The services log to stderr; their stdout (one "listening on" line) is not needed here. Each
+    runs in its own process group, so a terminal's Ctrl-C reaches only this process, and _stop
+    stops them in order."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL, process_group=0)
 
 
 def _wait_ready(address: str, service: str) -> None:
@@ -132,12 +139,14 @@ Ctrl-C stops both services.""",
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
-    for process in processes:
+    """The worker first: it drains and ends its own watch of the store. A store stopped beside it
+    would cut that watch while streams drain, and the worker would warn of a lost store until done."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a second Ctrl-C must not orphan one
+    for process in reversed(processes):  # the worker, then the store
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
-    for process in processes:
         try:
-            process.wait(timeout=40)
+            process.wait(timeout=40)  # the worker's drain takes up to 35 s
         except subprocess.TimeoutExpired:
             process.kill()
 
