@@ -1,5 +1,6 @@
-"""REPORT.md from the suite's result records: one section per benchmark with its setup, its table,
-its plot where there is one, the machine and the exact command that measured it."""
+"""REPORT.md from the suite's result records: a table of where each benchmark's figures came from,
+then one section per benchmark with its setup, its table, its plot where there is one, the commit
+and machine that measured it (bench/provenance.py) and the exact command."""
 
 import json
 from pathlib import Path
@@ -9,8 +10,11 @@ HEADER = """# loramux benchmarks
 Written by `make bench` (`python -m bench.suite`) from the records beside this file
 (`<benchmark>.json`, which also hold every round's raw numbers). Each figure is a ratio or a
 distribution whose two sides were measured in the same run, on the default model
-(SmolLM2-135M-Instruct, float32); a section's command reruns it alone.
+(SmolLM2-135M-Instruct, float32); a section's command reruns it alone. Sections measured in
+different runs may differ in code and machine: each names its own.
 """
+NOT_RECORDED = "not recorded"
+BEFORE_PROVENANCE = "run before provenance was kept"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -33,9 +37,40 @@ def _cell(value) -> str:
 
 def machine_line(machine: dict) -> str:
     return (
-        f"{machine['platform']}, {machine['cpu']}, {machine['usable_cpus']} of {machine['cpu_count']} CPUs, "
+        f"{machine['platform']}, {cpu(machine)}, {machine['usable_cpus']} of {machine['cpu_count']} CPUs, "
         f"torch {machine['torch']} with {machine['torch_threads']} threads, Python {machine['python']}"
     )
+
+
+def cpu(machine: dict) -> str:
+    """The CPU model, the flags it has, those it lacks: "<model> (avx2, avx512f, no amx_tile)"."""
+    flags = machine.get("cpu_flags")
+    if flags is None:
+        return f"{machine['cpu']} (flags {NOT_RECORDED})"
+    listed = [flag for flag, present in flags.items() if present]
+    listed += [f"no {flag}" for flag, present in flags.items() if not present]
+    return f"{machine['cpu']} ({', '.join(listed)})"
+
+
+def commit(record: dict) -> str:
+    return f"`{record['commit']}`" if "commit" in record else NOT_RECORDED
+
+
+def provenance_table(records: list[dict]) -> str:
+    """One line per benchmark: the code, CPU and time its figures came from."""
+    rows = [
+        {
+            "benchmark": f"`{r['benchmark']}`",
+            "commit": commit(r),
+            "measured": r["utc"],
+            "CPU": cpu(r["machine"]),
+        }
+        for r in records
+    ]
+    parts = ["## Where the figures came from", markdown_table(rows)]
+    if any("commit" not in r for r in records):
+        parts.append(f'"{NOT_RECORDED}": {BEFORE_PROVENANCE}.')
+    return "\n\n".join(parts)
 
 
 def section(record: dict, plot: str | None) -> str:
@@ -45,8 +80,11 @@ def section(record: dict, plot: str | None) -> str:
     parts = [title, result["setup"], markdown_table(result["table"])]
     if plot:
         parts.append(f"![{record['title']}]({plot})")
+    code = commit(record) if "commit" in record else f"{NOT_RECORDED} ({BEFORE_PROVENANCE})"
     parts.append(
-        f"Measured {record['utc']} in {record['wall_s']:.0f} s on {machine_line(record['machine'])}.  \n"
+        f"Measured {record['utc']} in {record['wall_s']:.0f} s.  \n"
+        f"Commit: {code}  \n"
+        f"Machine: {machine_line(record['machine'])}  \n"
         f"Command: `{record['command']}`  \n"
         f"This benchmark alone: `{record['rerun']}`"
     )
@@ -56,15 +94,17 @@ def section(record: dict, plot: str | None) -> str:
 def write_report(results_dir: Path, names: list[str]) -> Path:
     """REPORT.md over the records in `results_dir` of the benchmarks `names`, in that order;
     a benchmark without a record is left out."""
-    sections = []
-    for name in names:
-        path = results_dir / f"{name}.json"
-        if path.is_file():
-            plot = f"{name}.png" if (results_dir / f"{name}.png").is_file() else None
-            sections.append(section(json.loads(path.read_text()), plot))
+    paths = [results_dir / f"{name}.json" for name in names]
+    records = [json.loads(path.read_text()) for path in paths if path.is_file()]
+    sections = [section(r, _plot_path(results_dir, r["benchmark"])) for r in records]
+    parts = [HEADER.rstrip(), provenance_table(records), *sections] if records else [HEADER.rstrip()]
     report = results_dir / "REPORT.md"
-    write_atomic(report, "\n\n".join([HEADER.rstrip(), *sections]) + "\n")
+    write_atomic(report, "\n\n".join(parts) + "\n")
     return report
+
+
+def _plot_path(results_dir: Path, name: str) -> str | None:
+    return f"{name}.png" if (results_dir / f"{name}.png").is_file() else None
 
 
 def write_atomic(path: Path, text: str) -> None:

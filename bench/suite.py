@@ -1,23 +1,18 @@
 """The benchmark suite behind `make bench`: runs the named benchmarks in order, printing progress,
-and writes bench/results/<name>.json (figures, every round's numbers, the command, the machine,
-a UTC timestamp), bench/results/<name>.png and bench/results/REPORT.md.
+and writes bench/results/<name>.json (figures, every round's numbers, the command, the commit,
+machine and UTC time: bench/record.py), bench/results/<name>.png and bench/results/REPORT.md.
 
     .venv/bin/python -m bench.suite [--only NAME ...] [--repeats N] [--results bench/results]
 """
 
 import argparse
-import json
 import os
-import platform
 import shlex
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-
-import torch
 
 from bench import (
     cold_starts,
@@ -31,7 +26,8 @@ from bench import (
     store_register,
 )
 from bench.cache import default_model_dir
-from bench.report import write_atomic, write_report
+from bench.record import measure, write_record
+from bench.report import write_report
 
 try:
     from bench import plots
@@ -89,25 +85,6 @@ BENCHMARKS = (
 )
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-    }
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def command(args: list[str]) -> str:
     """This process's command line as one types it in the current directory (the repo root)."""
     env = [f"LORAMUX_CACHE={local(os.environ['LORAMUX_CACHE'])}"] if "LORAMUX_CACHE" in os.environ else []
@@ -135,20 +112,14 @@ def progress_printer(index: int, total: int, name: str, started: float) -> Progr
 
 
 def run_one(bench: Benchmark, model_dir: Path, args, progress: Progress, argv: list[str]) -> dict:
-    start = time.perf_counter()
-    utc = datetime.now(UTC).isoformat(timespec="seconds")
     repeats = args.repeats or bench.repeats
-    result = bench.run(model_dir, repeats, progress)
-    return {
-        "benchmark": bench.name,
-        "title": bench.title,
-        "command": command(argv),
-        "rerun": command(["--only", bench.name, "--repeats", str(repeats)]),
-        "machine": machine(),
-        "utc": utc,
-        "wall_s": round(time.perf_counter() - start, 1),
-        "result": result,
-    }
+    return measure(
+        bench.name,
+        bench.title,
+        lambda: bench.run(model_dir, repeats, progress),
+        command=command(argv),
+        rerun=command(["--only", bench.name, "--repeats", str(repeats)]),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         progress = progress_printer(index, len(chosen), bench.name, started)
         progress("start")
         record = run_one(bench, model_dir, args, progress, argv)
-        write_atomic(args.results / f"{bench.name}.json", json.dumps(record, indent=1) + "\n")
+        write_record(args.results, record)
         bench.plot(record["result"], args.results / f"{bench.name}.png")
         report = write_report(args.results, names)
         progress(f"done in {record['wall_s']:.0f} s; {report}")

@@ -46,3 +46,13 @@ def test_report_has_a_section_per_record_with_table_plot_and_command(tmp_path):
     assert "![LoRA overhead](lora_overhead.png)" in report
     assert "`.venv/bin/python -m bench.suite --only lora_overhead`" in report
     assert "grpc_overhead" not in report  # no record, no section
+
+
+def test_a_record_from_before_provenance_says_its_commit_and_cpu_flags_are_not_recorded(tmp_path):
+    (tmp_path / "lora_overhead.json").write_text(json.dumps(record("lora_overhead")))
+    report = write_report(tmp_path, ["lora_overhead"]).read_text()
+    assert (
+        "| `lora_overhead` | not recorded | 2026-01-01T00:00:00+00:00 | some CPU (flags not recorded) |"
+        in report
+    )
+    assert "Commit: not recorded (run before provenance was kept)" in report

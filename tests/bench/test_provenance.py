@@ -1,0 +1,54 @@
+import json
+import subprocess
+from pathlib import Path
+
+from bench.provenance import CPU_FLAGS, commit
+from bench.record import measure, write_record
+from bench.report import write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def cpuinfo(field: str) -> str:
+    """The first processor's `field` in /proc/cpuinfo."""
+    line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(field))
+    return line.split(":", 1)[1].strip()
+
+
+def test_a_written_record_and_the_report_name_the_commit_and_cpu_it_ran_on(tmp_path):
+    def run() -> dict:
+        return {"setup": "one round", "table": [{"case": "a", "ratio": 0.9}]}
+
+    record = measure("lora_overhead", "LoRA overhead", run, command="cmd", rerun="cmd --only lora_overhead")
+    written = json.loads(write_record(tmp_path, record).read_text())
+    model, flags = cpuinfo("model name"), cpuinfo("flags").split()
+    assert written["commit"].removesuffix("+dirty") == git(ROOT, "rev-parse", "--short", "HEAD")
+    assert written["machine"]["cpu"] == model
+    assert written["machine"]["cpu_flags"] == {flag: flag in flags for flag in CPU_FLAGS}
+
+    report = write_report(tmp_path, ["lora_overhead"]).read_text()
+    assert f"| `lora_overhead` | `{written['commit']}` |" in report  # the table of where figures came from
+    assert f"Commit: `{written['commit']}`" in report  # and the benchmark's own section
+    assert f"{model} ({'avx2' if 'avx2' in flags else 'no avx2'}, " in report
+    assert "not recorded" not in report
+
+
+def test_commit_is_dirty_while_tracked_files_differ_from_it(tmp_path):
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    repo.mkdir()
+    outside.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    git(repo, "add", "a.py")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "untracked.py").write_text("")
+    assert commit(repo) == head  # a file git does not track changes no figure
+    (repo / "a.py").write_text("x = 2\n")
+    assert commit(repo) == f"{head}+dirty"
+    assert commit(outside) == "unknown"
