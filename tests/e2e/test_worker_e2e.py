@@ -138,7 +138,8 @@ def test_pinning_in_the_store_preloads_the_adapter_on_the_worker(generate, admin
     until(lambda: held() is not None and held().location == pb.ADAPTER_LOCATION_HOST)
     assert held().pinned and held().digest.startswith("sha256:")
     admin.UnpinAdapter(store_pb.UnpinAdapterRequest(adapter_id="preloaded"), metadata=AUTH)
-    until(lambda: not held().pinned)
+    # unpinned, it may also go at once: it is the least requested adapter the host tier holds
+    until(lambda: (adapter := held()) is None or not adapter.pinned)
 
 
 def test_delete_refuses_new_requests_while_running_ones_finish(generate, admin, sources_root):

@@ -108,3 +108,28 @@ def score_magnitude(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> tor
     queries = q.double().abs().unflatten(1, (kv_heads, -1))  # [tokens, kv_heads, group, hd]
     largest = [(queries[:, h] @ keys[:, h].T).amax(-1) for h in range(kv_heads)]  # [tokens, group] each
     return (torch.stack(largest, 1).flatten(1) * scale * math.log2(math.e)).unsqueeze(-1).cpu()
+
+
+def attention_bound(
+    magnitude: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    *,
+    keys: int,
+    rescales: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """softmax_average_bound for attention of q over a paged cache [blocks, block_size, kv_heads,
+    head_dim] (its NaN entries, never read, aside), in q's dtype."""
+    return softmax_average_bound(
+        magnitude,
+        scores=score_magnitude(q, k_cache, scale),
+        head_dim=q.shape[-1],
+        keys=keys,
+        rescales=rescales,
+        values=float(v_cache.nan_to_num(0.0).abs().max()),
+        dtype=q.dtype,
+        device=device,
+    )

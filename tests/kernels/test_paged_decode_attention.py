@@ -7,7 +7,7 @@ import triton
 
 from kernels.paged_decode_attention import BLOCK_N, paged_decode_attention, paged_decode_attention_ref
 from tests.kernels.paged_cache import paged_cache
-from tests.kernels.rounding import assert_within, score_magnitude, softmax_average_bound
+from tests.kernels.rounding import assert_within, attention_bound
 
 # Queries of std 4 peak the softmax as trained models' do: a near-uniform average over thousands of
 # keys is so small that a wrong result could hide within the tolerance.
@@ -29,15 +29,9 @@ def _check(got, q, k_cache, v_cache, tables, contexts, scale, window):
     exact = paged_decode_attention_ref(q, k_cache, v_cache, tables, contexts, scale, window)
     magnitude = paged_decode_attention_ref(q, k_cache, v_cache.abs(), tables, contexts, scale, window)
     keys = int(contexts.max()) if window is None else min(int(contexts.max()), window)
-    bound = softmax_average_bound(
-        magnitude,
-        scores=score_magnitude(q, k_cache, scale),
-        head_dim=q.shape[-1],
-        keys=keys,
-        rescales=triton.cdiv(keys, BLOCK_N),
-        values=float(v_cache.nan_to_num(0.0).abs().max()),
-        dtype=q.dtype,
-        device=got.device,
+    rescales = triton.cdiv(keys, BLOCK_N)
+    bound = attention_bound(
+        magnitude, q, k_cache, v_cache, scale, keys=keys, rescales=rescales, device=got.device
     )
     assert_within(got, exact, bound)
 

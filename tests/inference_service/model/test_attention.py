@@ -10,7 +10,7 @@ import torch
 
 from inference_service.model.attention import AttentionMetadata, KernelPath, SdpaPath, SequenceChunk, attend
 from inference_service.model.kv_cache import KVCache
-from tests.kernels.rounding import assert_within, score_magnitude, softmax_average_bound
+from tests.kernels.rounding import assert_within, attention_bound
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 16, 4
 SCALE = HEAD_DIM**-0.5
@@ -65,15 +65,8 @@ def _bound(q, k, v, stale, chunks, window) -> torch.Tensor:
     magnitude, _ = _sdpa_in_float64(q, k, v.abs(), torch.stack([stale[0], stale[1].abs()]), chunks, window)
     _, cache = _sdpa_in_float64(q, k, v, stale, chunks, window)  # the cache the step's rows see
     keys = max(cached + new for cached, new in STEP)
-    return softmax_average_bound(
-        magnitude,
-        scores=score_magnitude(q, cache.k[0], SCALE),
-        head_dim=HEAD_DIM,
-        keys=keys,
-        rescales=keys,
-        values=float(cache.v.abs().max()),
-        dtype=q.dtype,
-        device=q.device,
+    return attention_bound(
+        magnitude, q, cache.k[0], cache.v[0], SCALE, keys=keys, rescales=keys, device=q.device
     )
 
 
