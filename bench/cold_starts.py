@@ -97,7 +97,8 @@ def cold_starts(
         folders = [write_random_adapter(model, root / name, RANK, seed=i) for i, name in enumerate(names)]
         progress("starting a store and a worker")
         flags = ["--max-loras", str(SLOTS), "--max-lora-rank", str(RANK), "--max-cpu-loras", str(SLOTS)]
-        flags += ["--kv-cache-tokens", str((STREAMS + PROBES) * (PROMPT + STREAM_TOKENS + 16))]
+        longest = PROMPT + STREAM_TOKENS + 16  # + 16: a partly used last block
+        flags += ["--kv-cache-tokens", str((STREAMS + PROBES) * longest), "--max-model-len", str(longest)]
         with local_stack(model_dir, root, Path(tmp), *flags) as client:
             for folder in folders:
                 client.register_adapter(folder.name, f"file://{folder}")

@@ -77,6 +77,7 @@ def engines_with_adapters(
                 max_cpu_loras=n,
                 max_num_seqs=REQUESTS,
                 kv_cache_tokens=kv_tokens,
+                max_model_len=kv_tokens // REQUESTS,  # kv_tokens: REQUESTS requests of this length
             )
             engines[n] = Engine(config)
             for i in range(n):

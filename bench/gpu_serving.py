@@ -179,7 +179,8 @@ def loramux_engine(model_dir: Path, setup: Setup, adapters: list[Path], graphs: 
         max_cpu_loras=len(adapters),
         max_num_seqs=most,
         max_num_batched_tokens=most * setup.prompt,
-        kv_cache_tokens=most * (setup.prompt + setup.tokens + 16),  # + 16: a partly used last block
+        max_model_len=setup.prompt + setup.tokens + 16,  # + 16: a partly used last block
+        kv_cache_tokens=most * (setup.prompt + setup.tokens + 16),
         cuda_graphs=graphs,
     )
     engine = Engine(config)

@@ -66,12 +66,14 @@ def grpc_vs_in_process(
         root = Path(tmp) / "adapters"
         model = ModelConfig.from_dir(model_dir)
         folders = [write_random_adapter(model, root / f"r16-{i}", RANK, seed=i) for i in range(ADAPTERS)]
-        engine = Engine(EngineConfig(model=str(model_dir), kv_cache_tokens=STREAMS * 96, **ENGINE))
+        engine = Engine(
+            EngineConfig(model=str(model_dir), kv_cache_tokens=STREAMS * 96, max_model_len=96, **ENGINE)
+        )
         for folder in folders:
             engine.add_adapter(folder.name, folder)
         progress("starting a store and a worker")
         flags = ["--max-loras", str(ADAPTERS), "--max-cpu-loras", str(2 * ADAPTERS)]
-        flags += ["--kv-cache-tokens", str(STREAMS * 96 + 512)]
+        flags += ["--kv-cache-tokens", str(STREAMS * 96 + 512), "--max-model-len", "96"]
         with local_stack(model_dir, root, Path(tmp), *flags) as client:
             return summary(measure(engine, client, folders, repeats, progress), repeats)
 

@@ -125,7 +125,8 @@ def loramux_engine(model_dir: Path, folders: list[Path], jobs: list[Job]) -> Eng
         max_lora_rank=RANK,
         max_cpu_loras=ADAPTERS,
         max_num_seqs=REQUESTS,
-        kv_cache_tokens=REQUESTS * (longest + 16),  # + 16: each sequence's last block is partly used
+        max_model_len=longest + 16,  # + 16: each sequence's last block is partly used
+        kv_cache_tokens=REQUESTS * (longest + 16),
     )
     engine = Engine(config)
     for folder in folders:

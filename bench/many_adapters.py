@@ -90,6 +90,7 @@ def engine_with(model_dir: Path, folders: list[Path]) -> Engine:
         adapter_memory=memory,
         max_cpu_loras=MAX_CPU_LORAS,
         max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=PROMPT + MAX_NEW + 16,
         kv_cache_tokens=MAX_NUM_SEQS * (PROMPT + MAX_NEW + 16),
     )
     engine = Engine(config)

@@ -24,7 +24,7 @@ from bench.random_adapter import write_random_adapter
 from bench.report import markdown_table
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.engine.adapter_memory import AdapterMemory, page_units
-from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
@@ -43,7 +43,7 @@ class DecodeCase:
     """SEQUENCES sequences on one runner, prefilled with CONTEXT tokens; step() times one decode
     step of all of them."""
 
-    def __init__(self, runner: ModelRunner, allocator: BlockAllocator, slots: list[int], steps: int):
+    def __init__(self, runner: ModelRunner, allocator: BlockManager, slots: list[int], steps: int):
         self.runner, self.slots, self.position = runner, slots, CONTEXT
         blocks = -(-(CONTEXT + steps) // runner.config.block_size)
         self.tables = [allocator.allocate(blocks) for _ in slots]
@@ -70,6 +70,7 @@ def build_runner(
             model=str(model_dir),
             max_loras=ADAPTERS,
             max_lora_rank=max_rank,
+            max_model_len=CONTEXT + steps + 16,
             kv_cache_tokens=2 * SEQUENCES * (CONTEXT + steps + 16),
         )
     )
@@ -99,7 +100,7 @@ def rank_padding(
     runners = {r: runner for r, (runner, _) in built.items()}
     # grouped by adapter, as the engine orders a batch
     mixed = {r: sorted(slots[i % ADAPTERS] for i in range(SEQUENCES)) for r, (_, slots) in built.items()}
-    allocators = {r: BlockAllocator(runner.num_blocks) for r, runner in runners.items()}
+    allocators = {r: BlockManager(runner.num_blocks) for r, runner in runners.items()}
     with torch.inference_mode():
         cases = {BASE: DecodeCase(runners[8], allocators[8], [-1] * SEQUENCES, total)}
         for r, runner in runners.items():

@@ -37,6 +37,7 @@ def engine(model_dir: Path, rank: int) -> Engine:
         max_lora_rank=rank,
         max_cpu_loras=ADAPTERS,
         max_num_seqs=max(CONCURRENCY),
+        max_model_len=PROMPT + TOKENS + 16,
         kv_cache_tokens=max(CONCURRENCY) * (PROMPT + TOKENS + 16),
     )
     return Engine(config)

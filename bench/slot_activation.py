@@ -51,7 +51,9 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 def slot_activation(model_dir: Path, activations: int = 50) -> dict:
-    config = EngineConfig(model=str(model_dir), max_loras=1, max_lora_rank=RANK, kv_cache_tokens=256)
+    config = EngineConfig(
+        model=str(model_dir), max_loras=1, max_lora_rank=RANK, kv_cache_tokens=256, max_model_len=256
+    )
     runner = ModelRunner(config)
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_adapter(runner.model_config, Path(tmp) / "r16", RANK, seed=0)

@@ -110,6 +110,13 @@ class HostTier:
             self.request_misses += 1
             self._load_if_room(name)
 
+    def keep(self, name: str) -> None:
+        """A running request that uses `name` waits again (preempted): held as on arrival, but
+        not counted as a new request."""
+        self._held[name] += 1
+        if name not in self._ready:
+            self._load_if_room(name)
+
     def release(self, name: str) -> None:
         """A request that held `name` was admitted (its adapter is on the device) or ended."""
         self._held[name] -= 1

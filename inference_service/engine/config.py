@@ -20,8 +20,11 @@ class EngineConfig:
     max_num_seqs: int = 32  # running sequences
     max_num_batched_tokens: int = 512  # tokens in one step: decode tokens plus prefill chunks
     max_model_len: int = 4096  # prompt + generated tokens of one sequence (the model's limit caps it)
-    kv_cache_tokens: int = 32768  # capacity of the paged KV cache, in token positions
+    kv_cache_tokens: int = 0  # capacity of the paged KV cache in token positions; 0: sized from memory
+    kv_cache_memory: int = 1 << 30  # on a CPU, the KV cache's bytes when kv_cache_tokens is 0
+    gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU weights, activations and cache take
     block_size: int = 16  # token positions per KV cache block
+    prefix_caching: bool = True  # full KV blocks are reused by later requests with the same prefix
     step_timeout_s: float = 60.0  # a step running longer is a hung engine: every request fails
     cuda_graphs: bool = True  # on a GPU, decode steps replay CUDA graphs; False runs every step eagerly
 
@@ -35,7 +38,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_model_len",
-            "kv_cache_tokens",
+            "kv_cache_memory",
             "block_size",
         )
         for name in positive:
@@ -45,7 +48,11 @@ class EngineConfig:
             raise InvalidArgument(
                 f"step_timeout_s must be a positive number of seconds, got {self.step_timeout_s}"
             )
-        for name in ("max_loras", "max_cpu_loras", "adapter_memory"):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidArgument(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        for name in ("max_loras", "max_cpu_loras", "adapter_memory", "kv_cache_tokens"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative, got {getattr(self, name)}")
 

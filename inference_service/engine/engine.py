@@ -28,7 +28,7 @@ import torch
 from inference_service.adapters.host_tier import AdapterLoader, HostTier, ReadyAdapter
 from inference_service.adapters.local_loader import LocalAdapterLoader
 from inference_service.engine.adapter_memory import AdapterMemory, page_units, unit_bytes
-from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.delta_queue import DeltaQueue
 from inference_service.engine.engine_thread import EngineThread
@@ -89,7 +89,8 @@ class Engine:
         self.memory = AdapterMemory(
             self.runner.lora_units, page_units(model), unit_bytes(model, config.torch_dtype)
         )
-        self.scheduler = Scheduler(config, BlockAllocator(self.runner.num_blocks), self.memory, self.host)
+        blocks = BlockManager(self.runner.num_blocks, config.prefix_caching)
+        self.scheduler = Scheduler(config, blocks, self.memory, self.host)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
         self.streams = Streams(self.tokenizer, eos)
         self.metrics = EngineMetrics()
@@ -170,7 +171,6 @@ class Engine:
         """Queue a request; `sink` receives its deltas from the stepping thread."""
         request.check(self.max_model_len, self.runner.model_config.vocab_size, self.tokenizer is not None)
         seq = _sequence(request, self.runner.device)
-        self.scheduler.check_fits(seq)
         if request.adapter is not None:
             self._require_adapter(request.adapter)
         self.streams.open(seq, sink)
@@ -287,6 +287,9 @@ class Engine:
         """Run the chunks, let the scheduler record what they computed and drew, stream it out."""
         out = self.runner.run(chunks)
         for seq in out.non_finite:
+            # before anyone else gets its blocks: attention multiplies masked positions by 0, and
+            # 0 x NaN is NaN
+            self.runner.cache.zero_blocks(self.scheduler.drop_computed(seq))
             self._finish(seq, "error", _overflowed(seq, self.config.dtype))
         tokens = out.result.token_ids
         self.scheduler.postprocess(out.computed, list(zip(out.sampled, tokens, strict=True)))

@@ -13,6 +13,7 @@ from inference_service.engine.adapter_memory import (
 )
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
+from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_blocks, cuda_blocks, sized_by
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
@@ -46,20 +47,66 @@ class ModelRunner:
             self.model_config, self.lora_units, self.lora_unit, config.torch_dtype, self.device
         )
         load_weights(self.model, config.model)
-        self.num_blocks = -(-config.kv_cache_tokens // config.block_size)  # blocks sequences may hold
-        self.cache = KVCache(
-            self.model_config.num_layers,
-            self.num_blocks + 1,  # and the scratch block the padding rows of a decode graph write to
-            config.block_size,
-            self.model_config.num_kv_heads,
-            self.model_config.head_dim,
-            config.torch_dtype,
-            self.device,
-        )
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
+        self.num_blocks = self._kv_blocks()  # blocks sequences may hold
+        # and the scratch block the padding rows of a decode graph write to
+        self.cache = self._kv_cache(self.num_blocks + 1)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
+
+    def _kv_blocks(self) -> int:
+        """As --kv-cache-tokens says, or as memory allows; refused when one max_model_len request
+        could not fit."""
+        config = self.config
+        if config.kv_cache_tokens:
+            blocks = -(-config.kv_cache_tokens // config.block_size)
+        elif self.device.type == "cuda":
+            blocks = self._profiled_cuda_blocks()
+        else:
+            blocks = cpu_blocks(self.model_config, config, self.max_model_len)
+        check_fits(blocks, config, self.max_model_len, sized_by(config, self.device))
+        return blocks
+
+    def _kv_cache(self, num_blocks: int) -> KVCache:
+        model = self.model_config
+        return KVCache(
+            model.num_layers,
+            num_blocks,
+            self.config.block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            self.config.torch_dtype,
+            self.device,
+        )
+
+    def _profiled_cuda_blocks(self) -> int:
+        """The blocks left in --gpu-memory-utilization of the GPU once the weights and adapter
+        memory are in place and a step's activations have peaked. CUDA graphs are captured after
+        the cache exists (they hold its addresses), so their pools come from what utilization
+        leaves over."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_step()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        per_block = bytes_per_block(self.model_config, self.config)
+        return cuda_blocks(total, free, reserved, peak, self.config.gpu_memory_utilization, per_block)
+
+    @torch.inference_mode()
+    def profile_step(self) -> torch.Tensor:
+        """The largest step's forward: one prompt of max_num_batched_tokens tokens (no longer
+        than max_model_len), on a cache of just its blocks, freed after."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.config.block_size)
+        cache = self._kv_cache(blocks)
+        seq = SequenceInput([0] * tokens, 0, list(range(blocks)))
+        batch = ForwardBatch.build(
+            [seq], self.config.block_size, self.model_config.sliding_window, self.device
+        )
+        return self.model(batch, cache)  # [1, vocab]
 
     @property
     def max_model_len(self) -> int:
@@ -81,10 +128,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        """Forward one step's chunks, then draw a token for each chunk that reaches its prompt's
-        end. A row whose logits hold NaN or Inf (weights that overflow in the serving dtype)
-        draws nothing, and its sequence's KV blocks are zeroed before anyone else gets them:
-        attention multiplies masked positions by 0, and 0 x NaN is NaN."""
+        """Forward one step's chunks, then draw a token for each chunk that reaches its last
+        token. A row whose logits hold NaN or Inf (weights that overflow in the serving dtype)
+        draws nothing; the caller zeroes the blocks its sequence computed."""
         inputs = [_input(c) for c in chunks]
         if self.graphs is not None and all(c.num_tokens == 1 for c in chunks):
             logits = self.graphs.run(inputs, self._adapters)  # [chunks, vocab]
@@ -92,8 +138,6 @@ class ModelRunner:
             logits = self.forward(inputs)  # [chunks, vocab]
         finite = finite_rows(logits)  # [chunks]
         non_finite = [c.seq for c, ok in zip(chunks, finite, strict=True) if not ok]
-        for seq in non_finite:
-            self.cache.zero_blocks(seq.block_table)
         rows = [i for i, c in enumerate(chunks) if finite[i] and c.samples]
         sampled = [chunks[i].seq for i in rows]
         drawn = logits if len(rows) == len(chunks) else logits[rows]  # [rows, vocab]; decode: no copy

@@ -46,6 +46,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: LoramuxError | None = None
+    cached_tokens: int = 0  # of prompt_tokens, those found in the prefix cache
+    preemptions: int = 0  # times the request gave its KV blocks back and was computed again
 
     @classmethod
     def join(cls, deltas: list["Delta"]) -> "Delta":
@@ -63,6 +65,8 @@ class Delta:
             last.prompt_tokens,
             last.completion_tokens,
             last.error,
+            last.cached_tokens,
+            last.preemptions,
         )
 
 
@@ -76,6 +80,8 @@ class RequestOutput:
     completion_tokens: int
     logprobs: list[TokenLogprobs]
     error: LoramuxError | None = None
+    cached_tokens: int = 0
+    preemptions: int = 0
 
     @classmethod
     def collect(cls, deltas: list[Delta]) -> "RequestOutput":
@@ -89,4 +95,6 @@ class RequestOutput:
             d.completion_tokens,
             d.logprobs,
             d.error,
+            d.cached_tokens,
+            d.preemptions,
         )

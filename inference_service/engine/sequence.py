@@ -9,7 +9,7 @@ from inference_service.sampling import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # not admitted: no KV blocks, no slot
+    WAITING = "waiting"  # not admitted, or preempted: no KV blocks, no slot
     RUNNING = "running"  # admitted: holds KV blocks and (with an adapter) a slot reference
     FINISHED = "finished"
 
@@ -21,22 +21,28 @@ class Sequence:
     params: SamplingParams
     adapter: str | None
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (from the prefix cache or computed)
     block_table: list[int] = field(default_factory=list)
     slot: int = -1
     status: Status = Status.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None  # seeded requests sample from their own stream
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    preemptions: int = 0  # times its blocks were taken back and it waited again
+    adapter_key: bytes = b""  # the adapter content its blocks are hashed under (BlockManager)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, as far as known
+    named_blocks: int = 0  # its first blocks that are in the prefix cache under their hash
+    hit_blocks: int = 0  # its first blocks that came from the prefix cache at this admission
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def max_len(self) -> int:
-        """The most positions this sequence can ever occupy in the KV cache."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_token_ids)
+        """More than one token to compute: a prompt, or all it had before a preemption."""
+        return self.num_tokens - self.num_computed > 1

@@ -66,8 +66,7 @@ class Streams:
             return
         reason = seq.finish_reason
         tail = stream.detokenizer.finish() if stream.detokenizer and reason != "abort" else ""
-        prompt, output = len(seq.prompt_token_ids), len(seq.output_token_ids)
-        stream.sink(Delta(seq.request_id, [], tail, [], reason, prompt, output, error))
+        stream.sink(_last(seq, tail, reason, error))
 
     def close_all(self, error: Unavailable) -> None:
         """Refuse new streams from now on and end every open one with `error`."""
@@ -77,9 +76,7 @@ class Streams:
             self._closed_by = error
             doomed, self._open = list(self._open.values()), {}
         for stream in doomed:
-            seq = stream.seq
-            prompt, output = len(seq.prompt_token_ids), len(seq.output_token_ids)
-            stream.sink(Delta(seq.request_id, [], "", [], "error", prompt, output, error))
+            stream.sink(_last(stream.seq, "", "error", error))
 
     def _finish_reason(self, stream: _Stream, token: int) -> str | None:
         params = stream.seq.params
@@ -92,3 +89,18 @@ class Streams:
         if len(stream.seq.output_token_ids) >= params.max_tokens:
             return "length"
         return None
+
+
+def _last(seq: Sequence, text: str, reason: str, error: LoramuxError | None) -> Delta:
+    """A stream's last delta: the text held back until now, the finish reason and the usage."""
+    return Delta(
+        seq.request_id,
+        [],
+        text,
+        finish_reason=reason,
+        prompt_tokens=len(seq.prompt_token_ids),
+        completion_tokens=len(seq.output_token_ids),
+        error=error,
+        cached_tokens=seq.cached_tokens,
+        preemptions=seq.preemptions,
+    )

@@ -1,4 +1,4 @@
-"""The paged KV cache tensors: fixed-size blocks of token positions; engine/block_allocator.py hands
+"""The paged KV cache tensors: fixed-size blocks of token positions; engine/block_manager.py hands
 them to sequences as they grow."""
 
 import torch

@@ -55,7 +55,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="adapters kept ready in host memory (0: each only until its waiting requests are admitted)",
     )
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens in one step: decodes and prefill chunks",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="prompt + output tokens of one request (or the model's)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="KV cache positions; 0: as much as --kv-cache-memory (CPU) or --gpu-memory-utilization allows",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="on a CPU, the KV cache's bytes (default 1 GiB; no more than --max-num-seqs full requests use)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on CUDA, the share of the GPU for weights, adapter memory, activations and the KV cache",
+    )
     p.add_argument(
         "--step-timeout",
         type=float,
@@ -105,7 +135,11 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         adapter_memory=args.adapter_memory,
         max_cpu_loras=args.max_cpu_loras,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         step_timeout_s=args.step_timeout,
         cuda_graphs=not args.eager,
     )
@@ -132,6 +166,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(sys.argv[1:])
-    except LoramuxError as e:
+        uvloop.run(serve(config))
+    except LoramuxError as e:  # flags, or a model and cache sizes that cannot serve
         sys.exit(f"inference worker: {e}")
-    uvloop.run(serve(config))

@@ -48,7 +48,14 @@ async def serve(config: WorkerConfig) -> None:
     await health.set("readiness", NOT_SERVING)
     await health.set(SERVICE, NOT_SERVING)
     store = open_store_channel(config.store, config.store_tls, config.store_token) if config.store else None
-    engine, watch = await asyncio.to_thread(_build_engine, config, store)
+    try:
+        engine, watch = await asyncio.to_thread(_build_engine, config, store)
+    except BaseException:  # a model or cache that cannot serve: nothing left running behind
+        await server.stop(0)
+        for closable in (endpoint, store):
+            if closable is not None:
+                closable.close()
+        raise
     failed = _engine_failure(engine)
     servicer.engine = engine
     metrics.watch_engine(engine)

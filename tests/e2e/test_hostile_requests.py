@@ -1,6 +1,7 @@
 """A live worker against whatever a client can send: every GenerateRequest field fuzzed at extreme
 values and sizes gets a precise status (never INTERNAL or UNKNOWN) and the worker keeps serving;
-a request that can never fit the KV cache is refused at once, the others unaffected."""
+a request longer than max_model_len (which the KV cache is sized to hold) is refused at once, the
+others unaffected."""
 
 import threading
 
@@ -14,7 +15,7 @@ from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.e2e.conftest import WorkerProcess
 
-KV_CACHE_TOKENS = 128  # below the tiny model's max_model_len (256), so a request can never fit
+MAX_MODEL_LEN = 128  # the KV cache holds one such request and no more
 MAX_MESSAGE_BYTES = 4 << 20
 CLIENT_MISTAKES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 INT32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([0, -1, 2**31 - 1, -(2**31)]))
@@ -29,7 +30,8 @@ def worker(tmp_path_factory, tiny_chat_model):
         tiny_chat_model,
         None,
         tmp_path_factory.mktemp("hostile-worker") / "cache",
-        *("--kv-cache-tokens", str(KV_CACHE_TOKENS), "--max-message-bytes", str(MAX_MESSAGE_BYTES)),
+        *("--kv-cache-tokens", str(MAX_MODEL_LEN), "--max-model-len", str(MAX_MODEL_LEN)),
+        *("--max-message-bytes", str(MAX_MESSAGE_BYTES)),
     ).start()
     yield process
     process.terminate()
@@ -138,7 +140,7 @@ def test_worker_serves_a_normal_request_after_the_fuzzing(stub, worker):  # runs
 def test_prompt_over_the_byte_bound_names_size_and_bound(stub):
     code, details, _ = generate(stub, pb.GenerateRequest(text="x" * (1 << 20)))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
-    assert f"text prompt is {1 << 20} bytes; at most" in details and "max_model_len 256" in details
+    assert f"text prompt is {1 << 20} bytes; at most" in details and f"max_model_len {MAX_MODEL_LEN}" in details
 
 
 def test_message_over_max_message_bytes_is_refused_unread(stub):
@@ -166,7 +168,7 @@ def test_small_limits_are_refused_by_name(stub, request_, named):
     assert code is grpc.StatusCode.INVALID_ARGUMENT and named in details
 
 
-def test_request_that_can_never_fit_the_kv_cache_is_refused_and_others_run(stub):
+def test_request_that_can_never_fit_is_refused_and_others_run(stub):
     running: list = []
     normal = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5] * 10), sampling=pb.SamplingParams(max_tokens=40)
@@ -178,7 +180,7 @@ def test_request_that_can_never_fit_the_kv_cache_is_refused_and_others_run(stub)
     )
     code, details, _ = generate(stub, never)
     assert code is grpc.StatusCode.INVALID_ARGUMENT
-    assert "needs 210 tokens of KV cache" in details and f"holds {KV_CACHE_TOKENS}" in details
+    assert "(10 tokens) + max_tokens (200) exceeds max_model_len 128" in details
     thread.join(timeout=30)
     after = generate(stub, normal)
     for got, _, responses in (*running, after):

@@ -14,7 +14,7 @@ from tests.fp32_agreement import assert_fp32_agrees
 
 @pytest.fixture(scope="module")
 def runner(default_model_dir) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(default_model_dir), kv_cache_tokens=1024))
+    return ModelRunner(EngineConfig(model=str(default_model_dir), kv_cache_tokens=1024, max_model_len=1024))
 
 
 def test_logits_match_transformers(runner, tokenizer, default_model_dir):
@@ -33,7 +33,7 @@ def test_logits_match_transformers(runner, tokenizer, default_model_dir):
 
 
 def test_greedy_capital_of_france_is_paris(default_model_dir, tokenizer):
-    engine = Engine(EngineConfig(model=str(default_model_dir), kv_cache_tokens=256))
+    engine = Engine(EngineConfig(model=str(default_model_dir), kv_cache_tokens=256, max_model_len=256))
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     params = SamplingParams(max_tokens=16, temperature=0)
     france, answer = engine.generate(

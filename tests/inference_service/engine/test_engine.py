@@ -156,7 +156,7 @@ def test_engine_on_cuda_equals_peft_and_keeps_host_adapters_pinned(
 
 def _assert_idle(engine: Engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
+    assert engine.scheduler.stats().kv_blocks_used == 0
     assert engine.memory.active == 0
 
 

@@ -1,14 +1,14 @@
 """The scheduler alone, held to its rules: FCFS admission under max_num_seqs, the token budget
-(long prompts chunked, running sequences first) and the KV cache (blocks for prompt + max_tokens
-reserved at admission, strict FCFS on memory); at most max_loras adapters in a step, activations
-only for digests not resident; a load never makes anyone wait; and the drain rule's starvation
-bound. A workload over adapter popularity (distinct, uniform, skewed, identical, as punica's
-kernel tests) checks every invariant after every step.
+(long prompts chunked, running sequences first) and the KV cache (blocks taken as sequences grow,
+strict FCFS on memory, preemption of the newest when a running sequence cannot grow, the prefix
+cache); at most max_loras adapters in a step, activations only for digests not resident; a load
+never makes anyone wait; and the drain rule's starvation bound. A workload over adapter
+popularity (distinct, uniform, skewed, identical, as punica's kernel tests) checks every
+invariant after every step.
 
-Issue 17 moves the scheduler into engine/ and makes it the sole owner of Sequence; these tests,
-written on the code before the move, guard it. No engine, no model: a real AdapterMemory and
-BlockAllocator, a fake host tier, and `Rig.run` doing the engine's part of a step as
-Engine._step_locked, _emit and _finish do.
+No engine, no model: a real AdapterMemory and BlockManager, a fake host tier, and `Rig.run`
+doing the engine's part of a step as Engine._step_locked, _emit and _finish do. Prompts are
+distinct unless a test gives the tokens, so blocks are shared only where a test means them to be.
 """
 
 import random
@@ -21,7 +21,7 @@ import torch
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import ReadyAdapter
 from inference_service.engine.adapter_memory import AdapterMemory
-from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.scheduler import Schedule, Scheduler
 from inference_service.engine.sequence import Sequence, Status
@@ -49,8 +49,13 @@ class FakeHost:
         self._loading: dict[str, int | None] = {}
         self.load_steps = load_steps
         self.held: Counter[str] = Counter()  # name -> waiting requests that use it
+        self.arrivals: Counter[str] = Counter()  # name -> requests that arrived for it
 
     def hold(self, name: str) -> None:
+        self.arrivals[name] += 1
+        self.keep(name)
+
+    def keep(self, name: str) -> None:
         self.held[name] += 1
         self.get(name)
 
@@ -73,6 +78,10 @@ class FakeHost:
             elif left is not None:
                 self._loading[name] = left - 1
 
+    def evict(self, name: str) -> None:
+        """The host tier dropped the adapter: the next get starts its load again."""
+        self._ready.pop(name)
+
     def install(self, name: str, digest: str | None = None) -> None:
         """The load lands; a new digest is the name re-registered with new weights."""
         self._loading.pop(name, None)
@@ -92,12 +101,22 @@ class FakeHost:
 class Rig:
     scheduler: Scheduler
     slots: AdapterMemory
-    blocks: BlockAllocator
+    blocks: BlockManager
     host: FakeHost
+    added: int = 0
 
-    def add(self, request_id: str, prompt_len: int, max_tokens: int, adapter: str | None = None) -> Sequence:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        seq = Sequence(request_id, list(range(prompt_len)), params, adapter)
+    def add(
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        adapter: str | None = None,
+        tokens: list[int] | None = None,
+    ) -> Sequence:
+        """A request of `tokens` (default: prompt_len tokens no other request has)."""
+        self.added += 1
+        prompt = tokens or [self.added * 1000 + i for i in range(prompt_len)]
+        seq = Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), adapter)
         self.scheduler.add(seq)
         return seq
 
@@ -140,10 +159,11 @@ def _rig(
     ready: tuple[str, ...] = (),
     load_steps: int | None = None,
     ranks: dict[str, int] | None = None,
+    prefix_caching: bool = True,
 ) -> Rig:
     """max_loras: units of adapter memory, so max_loras adapters of rank 8 fit (`ranks` sets an
     adapter's rank: rank 16 takes two units)."""
-    slots, blocks = AdapterMemory(max_loras, PAGE_UNITS), BlockAllocator(num_blocks)
+    slots, blocks = AdapterMemory(max_loras, PAGE_UNITS), BlockManager(num_blocks, prefix_caching)
     host = FakeHost(ready, load_steps, ranks or {})
     config = EngineConfig(
         "unused: the scheduler reads only its limits",
@@ -205,24 +225,182 @@ def test_running_sequences_take_the_budget_before_a_new_prompt():
 # --- the KV cache -------------------------------------------------------------------------------
 
 
-def test_blocks_for_prompt_and_max_tokens_are_reserved_at_admission_and_returned_at_finish():
+def test_a_sequence_takes_a_block_at_each_block_boundary_and_gives_them_back_at_finish():
     rig = _rig(num_blocks=10)
-    seq = rig.add("a", 5, 7)  # 12 positions: 3 blocks of 4, though only 5 are computed yet
-    rig.step()
-    assert len(seq.block_table) == 3 and rig.blocks.num_free == 7
-    rig.drain()
-    assert seq.block_table == [] and rig.blocks.num_free == 10
+    seq = rig.add("a", 5, 7)  # at most 11 positions computed: 3 blocks of 4, none reserved ahead
+    held = []
+    for _ in range(7):
+        schedule = rig.schedule()
+        held.append(len(seq.block_table))  # what the step's positions need, no more
+        rig.run(schedule)
+    assert held == [2, 2, 2, 2, 3, 3, 3]  # positions 5, then 6, ..., 11
+    assert seq.finish_reason == "length" and seq.block_table == [] and rig.blocks.num_free == 10
 
 
 def test_strict_fcfs_on_memory_a_small_request_does_not_overtake_a_big_one():
     rig = _rig(num_blocks=8)
-    rig.add("first", 8, 8)  # 16 positions: 4 blocks
-    big = rig.add("big", 12, 8)  # 20 positions: 5 blocks, only 4 free while `first` runs
+    rig.add("first", 16, 8)  # 4 blocks for its prompt, 6 by its end
+    big = rig.add("big", 20, 8)  # 5 blocks for its prompt: at most 4 free while `first` runs
     rig.add("small", 2, 2)  # 1 block would fit, but it is behind `big`
     for _ in range(8):
         assert {name for name, _ in _chunks(rig.step())} == {"first"}
     assert big.status is Status.WAITING
-    assert _chunks(rig.step()) == [("big", 12), ("small", 2)]
+    assert _chunks(rig.step()) == [("big", 20), ("small", 2)]
+
+
+def test_when_a_running_sequence_cannot_grow_the_newest_is_preempted_and_resumes_first():
+    rig = _rig(max_num_seqs=2, num_blocks=4, prefix_caching=False)
+    old, new = rig.add("old", 4, 12), rig.add("new", 4, 12)  # 1 block each, 4 by their ends
+    rig.step()
+    later = rig.add("later", 2, 2)  # max_num_seqs: waits behind the running two
+    for _ in range(4):
+        assert _chunks(rig.step()) == [("old", 1), ("new", 1)]  # position 4 took both last blocks
+
+    schedule = rig.step()  # position 8: old needs a third block, and none is free
+
+    assert _chunks(schedule) == [("old", 1)]
+    assert (new.status, new.block_table, new.slot, new.num_computed) == (Status.WAITING, [], -1, 0)
+    assert list(rig.scheduler.waiting) == [new, later] and rig.scheduler.stats().preemptions == 1
+    rig.drain()
+    assert (old.preemptions, new.preemptions) == (0, 1)
+    assert [len(s.output_token_ids) for s in (old, new, later)] == [12, 12, 2]
+
+
+def test_a_preempted_sequence_is_computed_again_from_its_first_token_and_draws_on():
+    rig = _rig(max_num_seqs=2, num_blocks=4, prefix_caching=False)
+    rig.add("old", 4, 12)
+    new = rig.add("new", 4, 12)
+    for _ in range(6):
+        rig.step()  # new is preempted in the sixth, with 4 prompt tokens and 5 drawn
+    drawn = list(new.output_token_ids)
+    while new.status is Status.WAITING:
+        schedule = rig.step()
+    assert _chunks(schedule) == [("new", 9)]  # every token it had, its last one's logits drawing the next
+    assert new.output_token_ids[:5] == drawn and len(new.output_token_ids) == 6
+
+
+def test_a_step_that_preempted_admits_nobody():
+    """The victim waits for its adapter (the host tier dropped it meanwhile), so `later` could
+    take the blocks it gave back at once; it gets them a step later, when the running ones have
+    had their growth."""
+    rig = _rig(max_num_seqs=2, num_blocks=4, ready=("a",), prefix_caching=False)
+    rig.add("old", 4, 12)
+    new = rig.add("new", 4, 12, "a")
+    rig.step()
+    later = rig.add("later", 2, 2)
+    for _ in range(4):
+        rig.step()
+    rig.host.evict("a")
+
+    assert _chunks(rig.step()) == [("old", 1)]  # new preempted; later not admitted in that step
+    assert new.status is Status.WAITING and later.status is Status.WAITING
+    assert _chunks(rig.step()) == [("old", 1), ("later", 2)]
+
+
+def test_the_oldest_running_sequence_is_never_preempted_and_everyone_finishes():
+    rig = _rig(max_num_seqs=4, num_blocks=6, prefix_caching=False)
+    seqs = [rig.add(f"s{i}", 6, 14) for i in range(4)]  # 5 blocks each by the end: room for one
+    oldest = seqs[0]
+    for _ in range(200):
+        if not (rig.scheduler.waiting or rig.scheduler.running):
+            break
+        rig.step()
+        if oldest.status is not Status.FINISHED:
+            assert oldest.preemptions == 0 and oldest is rig.scheduler.running[0]
+    assert all(s.finish_reason == "length" and len(s.output_token_ids) == 14 for s in seqs)
+    assert rig.scheduler.stats().preemptions > 0 and rig.blocks.num_free == 6
+
+
+# --- the prefix cache ---------------------------------------------------------------------------
+
+SHARED = list(range(100, 113))  # 13 tokens: 3 full blocks, then one token
+
+
+def _finished(rig: Rig, request_id: str, tokens: list[int], adapter: str | None = None) -> Sequence:
+    seq = rig.add(request_id, len(tokens), 1, adapter, tokens)
+    rig.drain()
+    return seq
+
+
+def test_a_prompt_seen_before_starts_after_its_cached_full_blocks():
+    rig = _rig()
+    first = _finished(rig, "first", SHARED)
+    assert first.cached_tokens == 0
+    again = rig.add("again", len(SHARED), 1, tokens=SHARED)
+    assert _chunks(rig.step()) == [("again", 1)]  # 12 positions from the cache, 1 computed
+    assert again.cached_tokens == 12
+    stats = rig.scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (26, 12)
+
+
+def test_the_last_prompt_token_is_always_computed_even_when_its_block_is_cached():
+    rig = _rig()
+    aligned = SHARED[:12]  # exactly 3 full blocks
+    _finished(rig, "first", aligned)
+    again = rig.add("again", 12, 1, tokens=aligned)
+    assert _chunks(rig.step()) == [("again", 4)]  # its last block computed again, for the logits
+    assert again.cached_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [("a", "b"), (None, "a"), ("a", None)],
+    ids=["another-adapter", "base-then-adapter", "adapter-then-base"],
+)
+def test_the_same_tokens_under_other_weights_share_no_block(first, then):
+    rig = _rig(ready=("a", "b"))
+    _finished(rig, "first", SHARED, first)
+    other = rig.add("other", len(SHARED), 1, then, SHARED)
+    assert _chunks(rig.step()) == [("other", 13)] and other.cached_tokens == 0
+
+
+def test_a_re_registered_adapter_never_meets_its_old_blocks():
+    rig = _rig(ready=("a",))
+    _finished(rig, "first", SHARED, "a")
+    rig.host.install("a", digest="digest-a-v2")  # the same name, new weights
+    other = rig.add("other", len(SHARED), 1, "a", SHARED)
+    assert _chunks(rig.step()) == [("other", 13)] and other.cached_tokens == 0
+
+
+def test_running_sequences_share_their_prefix_blocks_until_the_last_one_ends():
+    rig = _rig(num_blocks=8)
+    first = rig.add("first", len(SHARED), 6, tokens=SHARED)
+    rig.step()  # its 3 full blocks are cached once computed
+    second = rig.add("second", len(SHARED), 2, tokens=SHARED)
+    rig.step()
+    assert second.block_table[:3] == first.block_table[:3] and second.cached_tokens == 12
+    assert rig.blocks.num_free == 8 - 5  # 3 shared, and each its own fourth
+    rig.step()  # second finishes: the shared blocks stay with first
+    assert second.status is Status.FINISHED and rig.blocks.num_free == 8 - 4
+    rig.drain()
+    assert rig.blocks.num_free == 8 and rig.scheduler.stats().kv_blocks_cached == 4  # first's full ones
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first():
+    rig = _rig(num_blocks=4)
+    one, two = list(range(200, 205)), list(range(300, 305))  # 1 full block each, then a token
+    _finished(rig, "one", one)
+    _finished(rig, "two", two)  # two's full block is used after one's
+    rig.add("big", 12, 1)  # 3 new blocks: the 2 never used, then the least recently used cached one...
+    rig.drain()
+    again_two = rig.add("again-two", 5, 1, tokens=two)
+    again_one = rig.add("again-one", 5, 1, tokens=one)
+    rig.step()
+    assert (again_two.cached_tokens, again_one.cached_tokens) == (4, 0)  # ...and one's, the oldest
+
+
+def test_a_preempted_sequence_resumes_from_its_cached_blocks():
+    rig = _rig(max_num_seqs=2, num_blocks=5)
+    rig.add("old", 4, 12)
+    new = rig.add("new", 4, 12)
+    for _ in range(6):
+        rig.step()  # new is preempted in the sixth, its 2 full blocks cached
+    hits = rig.scheduler.stats().prefix_cache_hits
+    while new.status is Status.WAITING:
+        schedule = rig.step()
+    assert _chunks(schedule)[-1][0] == "new"
+    assert rig.scheduler.stats().prefix_cache_hits > hits
+    assert new.cached_tokens == 0  # usage counts its first admission's
 
 
 # --- adapters and slots -------------------------------------------------------------------------
@@ -283,14 +461,14 @@ def test_a_request_whose_adapter_is_loading_is_skipped_and_later_ones_are_admitt
     rig.add("base", 4, 4)  # 2 blocks: with warm's, the whole cache
     assert _chunks(rig.step()) == [("warm", 4), ("base", 4)]  # not even memory waits for a load
     assert cold.status is Status.WAITING
-    rig.host.install("cold")  # landed, but warm and base hold every block until they finish
+    rig.host.install("cold")  # landed, but warm and base grow into every block until they finish
     assert [_chunks(rig.step()) for _ in range(3)] == [[("warm", 1), ("base", 1)]] * 3
     assert _chunks(rig.step()) == [("cold", 8)]
 
 
 def test_finish_frees_a_sequence_mid_prompt_and_drops_a_waiting_one():
     rig = _rig(max_num_batched_tokens=4, max_loras=1, num_blocks=8, ready=("a",))
-    running = rig.add("running", 10, 2, "a")  # 12 positions: 3 blocks
+    running = rig.add("running", 10, 2, "a")  # its first chunk of 4 takes a block
     waiting = rig.add("waiting", 2, 2, "a")
     assert _chunks(rig.step()) == [("running", 4)]  # the budget is spent: `waiting` waits
     rig.scheduler.finish(waiting, "abort")
@@ -424,17 +602,19 @@ def _workload(popularity: str) -> list[tuple[int, str, int, int, str]]:
     return sorted(requests, key=lambda r: r[0])
 
 
-def _check_state(rig: Rig) -> None:
+def _check_state(rig: Rig, schedule: Schedule | None = None) -> None:
+    """After a schedule (its chunks' positions have blocks) or after the step ran."""
     running = rig.scheduler.running
+    scheduled = {id(c.seq): c.num_tokens for c in schedule.chunks} if schedule else {}
     assert len(running) <= MAX_NUM_SEQS
     assert len({s.adapter for s in running if s.adapter}) <= MAX_LORAS
     for seq in running:
         expected = rig.slots.resident(rig.host.digest(seq.adapter)) if seq.adapter else -1
         assert seq.slot == expected
-        assert len(seq.block_table) == -(-seq.max_len // BLOCK_SIZE)
+        positions = seq.num_computed + scheduled.get(id(seq), 0)
+        assert len(seq.block_table) == -(-positions // BLOCK_SIZE)  # no block taken ahead of need
     assert rig.slots.active == len({s.slot for s in running if s.slot >= 0})
-    held = [block for s in running for block in s.block_table]
-    assert len(set(held)) == len(held)
+    held = {block for s in running for block in s.block_table}  # shared prefixes count once
     assert rig.blocks.num_free + len(held) == rig.blocks.num_blocks
     assert all(not s.block_table and s.slot == -1 for s in rig.scheduler.waiting)
     waiting_names = Counter(s.adapter for s in rig.scheduler.waiting if s.adapter)
@@ -461,7 +641,7 @@ def test_workload_keeps_every_invariant_after_every_step(popularity):
             break
         resident_before = {d for d in rig.host.digests() if rig.slots.resident(d) is not None}
         schedule = rig.schedule()
-        _check_state(rig)
+        _check_state(rig, schedule)
         _check_schedule(rig, schedule, resident_before)
         rig.run(schedule)
         _check_state(rig)
@@ -472,8 +652,8 @@ def test_workload_keeps_every_invariant_after_every_step(popularity):
     assert rig.blocks.num_free == NUM_BLOCKS and rig.slots.active == 0
     adapters = {adapter for *_, adapter in requests}
     assert rig.slots.activations >= len(adapters)  # each copied in once, more if evicted between uses
-    if popularity in ("distinct", "identical"):  # nothing to evict between uses: one copy each
-        assert rig.slots.activations == len(adapters)
+    if popularity in ("distinct", "identical"):  # evicted between uses only around a preemption
+        assert rig.slots.activations <= len(adapters) + rig.scheduler.stats().preemptions
 
 
 def test_a_new_adapter_takes_the_idle_slot_no_waiting_request_uses():

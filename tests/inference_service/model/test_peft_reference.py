@@ -7,7 +7,7 @@ import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.engine.adapter_memory import AdapterMemory, page_units
-from inference_service.engine.block_allocator import BlockAllocator
+from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
@@ -105,11 +105,11 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, ti
     adapter_dirs = tiny_adapters[model_type]
     reference = Peft(tiny_models[model_type], adapter_dirs)
     runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
-    allocator = BlockAllocator(runner.num_blocks)
+    blocks = BlockManager(runner.num_blocks)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
     adapters = [a for a, _ in ROWS]
-    tables = [allocator.allocate(-(-(n + DECODE_STEPS) // 4)) for _, n in ROWS]
+    tables = [blocks.allocate(-(-(n + DECODE_STEPS) // 4)) for _, n in ROWS]
     slot_of = [-1 if a is None else slots[a] for a in adapters]
 
     prefill = runner.forward(
@@ -139,10 +139,10 @@ def test_chunked_prefill_equals_one_shot_prefill(tiny_models, tiny_adapters):
     with PEFT's as closely as fp32 allows."""
     reference = Peft(tiny_models["mistral"], tiny_adapters["mistral"])
     runner, slots, _ = _runner(tiny_models["mistral"], tiny_adapters["mistral"])
-    allocator = BlockAllocator(runner.num_blocks)
+    blocks = BlockManager(runner.num_blocks)
     prompt = list(range(10, 30))
-    whole = runner.forward([SequenceInput(prompt, 0, allocator.allocate(5), slots["all8"])], all_logits=True)
-    table = allocator.allocate(5)
+    whole = runner.forward([SequenceInput(prompt, 0, blocks.allocate(5), slots["all8"])], all_logits=True)
+    table = blocks.allocate(5)
     parts = [
         runner.forward([SequenceInput(prompt[a:b], a, table, slots["all8"])], all_logits=True)
         for a, b in ((0, 7), (7, 8), (8, 20))
@@ -157,11 +157,11 @@ def test_adapter_changes_logits_and_reused_pages_keep_nothing_stale(tiny_models,
     adapter copied into pages another one held (higher rank, more modules) gives exactly its own
     logits: nothing of the old one is left."""
     runner, slots, memory = _runner(tiny_models["llama"], tiny_adapters["llama"])
-    allocator = BlockAllocator(runner.num_blocks)
+    blocks = BlockManager(runner.num_blocks)
     prompt = [5, 6, 7, 8]
 
     def logits(slot):
-        return runner.forward([SequenceInput(prompt, 0, allocator.allocate(1), slot)])
+        return runner.forward([SequenceInput(prompt, 0, blocks.allocate(1), slot)])
 
     base = logits(-1)
     for name in TINY_ADAPTERS:
