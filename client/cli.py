@@ -193,8 +193,9 @@ def _write_text(stream: Stream) -> None:
 
 def _summary(result: Completion) -> str:
     return (
-        f"[finish: {result.finish_reason}, tokens: {result.prompt_tokens} prompt + "
-        f"{result.completion_tokens} generated, time to first token: {result.time_to_first_token_s:.3f} s, "
+        f"[finish: {result.finish_reason}, tokens: {result.prompt_tokens} prompt ({result.cached_tokens} "
+        f"cached) + {result.completion_tokens} generated, time to first token: "
+        f"{result.time_to_first_token_s:.3f} s, "
         f"total: {result.total_s:.3f} s]"
     )
 

@@ -139,6 +139,7 @@ def completion(deltas: list[Delta], final: inference_pb.Final) -> Completion:
         finish_reason=_enum_word(inference_pb.FinishReason, final.finish_reason, "FINISH_REASON_"),
         prompt_tokens=final.usage.prompt_tokens,
         completion_tokens=final.usage.completion_tokens,
+        cached_tokens=final.usage.cached_tokens,
         time_to_first_token_s=final.timings.time_to_first_token_s,
         total_s=final.timings.total_s,
         logprobs=[lp for d in deltas for lp in d.logprobs],

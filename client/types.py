@@ -34,6 +34,7 @@ class Completion:
     time_to_first_token_s: float
     total_s: float
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_tokens: int = 0  # of prompt_tokens, those the worker found in its prefix cache
     request_id: str = ""  # the request_id the call sent, echoed by the worker
     worker_request_id: str = ""  # the worker's id for the request, as its log lines name it
 

@@ -104,7 +104,11 @@ def final(d: Delta, label: str, first_token_s: float, total_s: float) -> pb.Gene
     return pb.GenerateResponse(
         final=pb.Final(
             finish_reason=FINISH_REASONS[d.finish_reason],
-            usage=pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens),
+            usage=pb.Usage(
+                prompt_tokens=d.prompt_tokens,
+                completion_tokens=d.completion_tokens,
+                cached_tokens=d.cached_tokens,
+            ),
             timings=pb.Timings(time_to_first_token_s=first_token_s, total_s=total_s),
             request_id=label,
             worker_request_id=d.request_id,
@@ -161,6 +165,10 @@ def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
         in_flight=in_flight,
         kv_blocks_used=scheduler.kv_blocks_used,
         kv_blocks_total=scheduler.kv_blocks_total,
+        kv_blocks_cached=scheduler.kv_blocks_cached,
+        num_preemptions=scheduler.preemptions,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
         active_slots=slots.active,
         slot_activations=slots.activations,
         slot_evictions=slots.evictions,

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="on CUDA, the share of the GPU for weights, adapter memory, activations and the KV cache",
     )
     p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full instead of reusing KV blocks of earlier requests' prefixes",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=60.0,
@@ -140,6 +145,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_caching=not args.no_prefix_caching,
         step_timeout_s=args.step_timeout,
         cuda_graphs=not args.eager,
     )

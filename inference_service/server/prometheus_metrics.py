@@ -189,8 +189,28 @@ def _scheduler_families(stats: EngineStats) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "loramux:kv_cache_usage_perc",
-        "Fraction of KV cache blocks in use, 0 to 1",
+        "Fraction of KV cache blocks held by running requests, 0 to 1 (cached free ones not counted)",
         s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+    )
+    yield GaugeMetricFamily(
+        "loramux:kv_cache_blocks_cached",
+        "KV cache blocks no request holds that keep a prefix for later requests",
+        s.kv_blocks_cached,
+    )
+    yield CounterMetricFamily(
+        "loramux:num_preemptions",
+        "Running requests that gave their KV blocks back to be computed again",
+        s.preemptions,
+    )
+    yield CounterMetricFamily(
+        "loramux:prefix_cache_queries",
+        "Tokens of admitted requests looked up in the prefix cache",
+        s.prefix_cache_queries,
+    )
+    yield CounterMetricFamily(
+        "loramux:prefix_cache_hits",
+        "Tokens of admitted requests found in the prefix cache",
+        s.prefix_cache_hits,
     )
 
 

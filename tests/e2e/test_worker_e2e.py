@@ -57,7 +57,9 @@ def registered(admin, sources_root):
 @pytest.fixture(scope="module")
 def in_process(long_model, tiny_adapters) -> dict[int, list[int]]:
     """Every WORKLOAD request's greedy tokens from the in-process engine."""
-    engine = Engine(EngineConfig(model=str(long_model), max_loras=4, kv_cache_tokens=2048, max_model_len=2048))
+    engine = Engine(
+        EngineConfig(model=str(long_model), max_loras=4, kv_cache_tokens=2048, max_model_len=2048)
+    )
     for name in ADAPTERS:
         engine.add_adapter(name, tiny_adapters["llama"][name])
     requests = [
@@ -123,6 +125,17 @@ def test_request_id_is_echoed_in_final_and_names_the_request_in_the_workers_log(
         r"request [0-9a-f]{32} \(request_id 'caller-8\\nforged line', adapter 'no-such-adapter'\)", line
     )
     assert "NOT_FOUND" in line
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_another_adapter_none(generate, registered):
+    prompt = list(range(40, 80))  # 40 tokens: 2 full blocks of 16, the last token always computed
+    first, final = _tokens(generate, _request("all8", prompt, 4))
+    again, cached = _tokens(generate, _request("all8", prompt, 4))
+    _, other = _tokens(generate, _request("qv4", prompt, 4))
+    assert (final.usage.cached_tokens, cached.usage.cached_tokens, other.usage.cached_tokens) == (0, 32, 0)
+    assert again == first
+    stats = generate.GetStats(pb.GetStatsRequest())
+    assert stats.prefix_cache_hits >= 32 and stats.prefix_cache_queries >= 3 * 40
 
 
 def test_pinning_in_the_store_preloads_the_adapter_on_the_worker(generate, admin, sources_root, long_model):

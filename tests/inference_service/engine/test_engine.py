@@ -465,3 +465,74 @@ def test_adapter_changes_and_snapshots_never_wait_for_a_step(tiny_models, tiny_a
     states = {s.name: s for s in engine.adapter_states()}
     assert states["qv4"].pinned and not states["pattern"].pinned
     engine.stop()
+
+
+# --- KV memory: preemption and the prefix cache -------------------------------------------------
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_requests_preempted_and_resumed_give_the_tokens_they_give_alone(
+    tiny_models, tiny_adapters, peft_reference, caching
+):
+    """A KV cache of 12 blocks of 4 for up to 10 requests of up to 25 positions: running
+    requests outgrow it, the newest give their blocks back and are computed again later (without
+    the prefix cache, in several chunks of at most 6 tokens)."""
+    prompts, expected = peft_reference
+    engine = _engine(
+        tiny_models,
+        tiny_adapters,
+        kv_cache_tokens=48,
+        max_model_len=32,
+        max_num_batched_tokens=6,
+        prefix_caching=caching,
+    )
+    got = _run_staggered(engine, prompts)
+    for i, tokens in enumerate(expected):
+        assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
+    assert engine.scheduler.stats().preemptions > 0
+    _assert_idle(engine)
+
+
+def _system_prompted(prompts: list[list[int]]) -> list[Request]:
+    """WORKLOAD's requests, each after a 14-token system prompt of its adapter's own."""
+    system = {adapter: [150 - len(str(adapter)) - k for k in range(14)] for adapter, *_ in WORKLOAD}
+    return [
+        Request(system[adapter] + prompt, adapter, SamplingParams(max_tokens=max_tokens, temperature=0))
+        for (adapter, _, max_tokens, _), prompt in zip(WORKLOAD, prompts, strict=True)
+    ]
+
+
+def test_prefix_caching_changes_no_token(tiny_models, tiny_adapters, peft_reference):
+    prompts, _ = peft_reference
+    outputs = {}
+    for caching in (True, False):
+        engine = _engine(tiny_models, tiny_adapters, prefix_caching=caching)
+        first = engine.generate(_system_prompted(prompts))
+        again = engine.generate(_system_prompted(prompts))  # the system prompts are cached now
+        outputs[caching] = ([o.token_ids for o in first], [o.token_ids for o in again])
+        if caching:
+            assert all(o.cached_tokens >= 12 for o in again)  # 14 + >= 2 tokens: 3 blocks of 4 at least
+            assert engine.stats().scheduler.prefix_cache_hits > 0
+        else:
+            assert all(o.cached_tokens == 0 for o in first + again)
+    assert outputs[True] == outputs[False]
+
+
+def test_the_same_prompt_under_other_weights_is_computed_afresh(tiny_models, tiny_adapters):
+    prompt = list(range(20, 40))
+    params = SamplingParams(max_tokens=6, temperature=0)
+    engine = _engine(tiny_models, tiny_adapters)
+
+    def run(adapter: str | None):
+        (out,) = engine.generate([Request(prompt, adapter, params)])
+        return out
+
+    first = run("all8")
+    assert (first.cached_tokens, run("all8").cached_tokens) == (0, 16)  # hits under the same weights
+    assert run("qv4").cached_tokens == 0 and run(None).cached_tokens == 0
+    engine.add_adapter("all8", tiny_adapters["llama"]["pattern"])  # the name, re-registered
+    renamed = run("all8")
+    fresh = _engine(tiny_models, tiny_adapters)
+    fresh.add_adapter("all8", tiny_adapters["llama"]["pattern"])
+    (expected,) = fresh.generate([Request(prompt, "all8", params)])
+    assert renamed.cached_tokens == 0 and renamed.token_ids == expected.token_ids != first.token_ids

@@ -124,3 +124,21 @@ def test_lora_requests_info_names_running_and_waiting_adapters(worker, stub):
 def _lora_info(samples):
     (info,) = find(samples, "loramux:lora_requests_info")
     return info
+
+
+def test_prefix_cache_use_and_preemptions_are_exported(worker, stub):
+    """In tokens, as vLLM counts them: a 40-token prompt sent twice is queried twice, and its
+    second admission finds its 2 full blocks of 16 cached (its last token is always computed)."""
+    prompt = list(range(100, 140))
+    before = scrape(worker.metrics)
+    for _ in range(2):
+        _tokens(stub, _request("", prompt, 1))
+    after = scrape_until(worker.metrics, lambda s: value(s, "loramux:prefix_cache_hits_total") > 0)
+
+    def grew(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert (grew("loramux:prefix_cache_queries_total"), grew("loramux:prefix_cache_hits_total")) == (80, 32)
+    assert value(after, "loramux:kv_cache_blocks_cached") >= 2  # kept for the next request
+    assert value(after, "loramux:kv_cache_usage_perc") == 0  # none held: nothing runs
+    assert value(after, "loramux:num_preemptions_total") == 0
