@@ -148,3 +148,41 @@ def hf_peft(result: dict, path: Path) -> None:
     ratio = statistics.median(result["ratios"])
     bars_with_rounds(ax, rates, "useful tok/s", f"32 mixed-adapter requests: loramux / HF + PEFT {ratio:.2f}")
     save(fig, path)
+
+
+def kv_pressure(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    for side, running in result["running"].items():
+        left.plot(range(1, len(running) + 1), running, label=side, linewidth=1)
+    ratio = statistics.median(result["ratios"]["running per step"])
+    left.set_title(f"early stops: running requests per step (on demand / reserving {ratio:.2f})", fontsize=10)
+    left.set_xlabel("step")
+    left.set_ylabel("running requests")
+    left.legend(fontsize=7)
+    long_run = result["long_run"]
+    right.plot(range(1, len(long_run["running"]) + 1), long_run["running"], linewidth=1)
+    preempted = sum(1 for p in long_run["preemptions"] if p)
+    right.set_title(
+        f"every request to max_tokens, cache 1/3: {preempted} preempted, "
+        f"{long_run['steps_without_progress']} idle steps",
+        fontsize=10,
+    )
+    right.set_xlabel("step")
+    right.set_ylabel("running requests")
+    save(fig, path)
+
+
+def prefix_cache(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    ttft = result["ttft"]
+    left.boxplot(list(ttft.values()), tick_labels=list(ttft))
+    left.set_yscale("log")
+    left.set_ylabel("time to first token, s")
+    left.set_title("shared system prompts per adapter", fontsize=10)
+    ratios = result["distinct_ratios"]
+    bars_with_rounds(right, {"on / off": ratios}, "generated tok/s, ratio", "no shared prefix")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    right.set_ylim(0.9, 1.05)
+    save(fig, path)

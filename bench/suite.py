@@ -19,7 +19,9 @@ from bench import (
     engine_overhead,
     grpc_serving,
     hf_peft,
+    kv_pressure,
     many_adapters,
+    prefix_cache,
     rank_padding,
     scaling,
     slot_activation,
@@ -70,7 +72,7 @@ class Benchmark:
     title: str
     run: Callable[[Path, int, Progress], dict]  # (model dir, rounds, progress) -> result
     plot: Callable[[dict, Path], None]
-    repeats: int  # timed rounds unless --repeats says otherwise; together under 15 min on 2 cores
+    repeats: int  # timed rounds unless --repeats says otherwise; together about 25 min on 2 cores
 
 
 BENCHMARKS = (
@@ -82,6 +84,8 @@ BENCHMARKS = (
     Benchmark("many_adapters", "Many adapters", many_adapters.many_adapters, plots.many_adapters, 3),
     Benchmark("rank_padding", "Rank padding", rank_padding.rank_padding, plots.rank_padding, 3),
     Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 1),
+    Benchmark("kv_pressure", "KV memory under pressure", kv_pressure.kv_pressure, plots.kv_pressure, 2),
+    Benchmark("prefix_cache", "Prefix cache", prefix_cache.prefix_cache, plots.prefix_cache, 2),
 )
 
 

@@ -1,0 +1,230 @@
+"""KV memory under pressure, on the default model: blocks taken as requests grow (and preemption
+when they outgrow the cache) against blocks reserved for prompt + max_tokens at admission.
+
+Early stops. REQUESTS requests, each a 512-token prompt with max_tokens 1024, arrive at once and
+end when their output reaches a length drawn from 48..80 (as an end-of-sequence token ends a chat
+answer long before max_tokens; the run ends each request there itself, so both cases generate
+the same tokens). The KV cache holds RESERVATIONS requests' prompt + max_tokens. The reserving
+side is the same engine with max_num_seqs at RESERVATIONS: all a reservation admits, and it
+never preempts. Figures per round: running requests per step (mean) and generated tokens/s over
+the round; the two sides alternate which runs first.
+
+Every request to max_tokens. OVERSUBSCRIBED requests of 128-token prompts, max_tokens 256 and
+no early end, in a cache of a third of what they need at once: every one finishes, every step
+computes something, and preempted requests are preempted few times each.
+
+    LORAMUX_CACHE=.cache .venv/bin/python -m bench.kv_pressure [--repeats 2]
+"""
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bench.cache import default_model_dir
+from bench.report import markdown_table
+from inference_service.engine import Delta, Engine, EngineConfig, Request
+from inference_service.sampling import SamplingParams
+
+BLOCK = 16
+REQUESTS, PROMPT, MAX_TOKENS, ENDS = 24, 512, 1024, (48, 80)
+RESERVATIONS = 4  # requests whose prompt + max_tokens the cache holds
+OVERSUBSCRIBED, LONG_PROMPT, LONG_TOKENS = 12, 128, 256
+RESERVING, ON_DEMAND = "reserving prompt + max_tokens", "blocks on demand"
+
+
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    tokens: int  # generated
+    running: list[int]  # requests running after each step
+    computed: list[int]  # tokens each step computed
+    decode_seconds: float  # in steps that computed one token per request, no prompt chunk
+    preemptions: list[int]  # per request
+
+    def row(self) -> dict[str, float]:
+        return {
+            "tok/s": self.tokens / self.seconds,
+            "running per step": statistics.fmean(self.running),
+            "decode tok/s": self.tokens / self.decode_seconds,
+        }
+
+
+def engine(model_dir, kv_tokens: int, max_num_seqs: int, max_model_len: int) -> Engine:
+    config = EngineConfig(
+        model=str(model_dir),
+        kv_cache_tokens=kv_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    return Engine(config)
+
+
+def drive(eng: Engine, requests: list[Request], ends: list[int] | None) -> Run:
+    """Submit every request, then step until all finished; a request with an end is aborted once
+    its output reaches it. Steps, their tokens and the time in decode-only steps are counted
+    around the runner."""
+    outputs: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
+    computed: list[int] = []  # per engine step, 0 when it ran nothing
+    decode_seconds = 0.0
+    run_chunks = eng.runner.run
+
+    def counting_run(chunks):
+        nonlocal decode_seconds
+        computed[-1] += sum(c.num_tokens for c in chunks)
+        start = time.perf_counter()
+        out = run_chunks(chunks)
+        if all(c.num_tokens == 1 for c in chunks):
+            decode_seconds += time.perf_counter() - start
+        return out
+
+    eng.runner.run = counting_run
+    start, running = time.perf_counter(), []
+    for i, request in enumerate(requests):
+        end = ends[i] if ends else None
+
+        def sink(delta: Delta, rid=request.request_id, end=end) -> None:
+            outputs[rid].append(delta)
+            if end is not None and sum(len(d.token_ids) for d in outputs[rid]) == end:
+                eng.abort(rid)
+
+        eng.submit(request, sink)
+    while any(not d or d[-1].finish_reason is None for d in outputs.values()):
+        computed.append(0)
+        eng.step()
+        running.append(len(eng.scheduler.running))
+    seconds = time.perf_counter() - start
+    eng.runner.run = run_chunks
+    tokens = sum(len(delta.token_ids) for deltas in outputs.values() for delta in deltas)
+    preemptions = [deltas[-1].preemptions for deltas in outputs.values()]
+    return Run(seconds, tokens, running, computed, decode_seconds, preemptions)
+
+
+def early_stops(round_: int, vocab: int) -> tuple[list[Request], list[int]]:
+    rng = random.Random(round_)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    requests = [
+        Request([rng.randrange(17, vocab) for _ in range(PROMPT)], None, params, f"r{round_}-{i}")
+        for i in range(REQUESTS)
+    ]
+    return requests, [rng.randint(*ENDS) for _ in requests]
+
+
+def every_token(vocab: int) -> list[Request]:
+    rng = random.Random(99)
+    params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True)
+    return [
+        Request([rng.randrange(17, vocab) for _ in range(LONG_PROMPT)], None, params, f"long-{i}")
+        for i in range(OVERSUBSCRIBED)
+    ]
+
+
+def kv_pressure(model_dir, repeats: int = 2, progress: Callable[[str], None] = lambda line: None) -> dict:
+    kv_tokens = RESERVATIONS * -(-(PROMPT + MAX_TOKENS) // BLOCK) * BLOCK
+    engines = {
+        RESERVING: engine(model_dir, kv_tokens, RESERVATIONS, PROMPT + MAX_TOKENS),
+        ON_DEMAND: engine(model_dir, kv_tokens, 32, PROMPT + MAX_TOKENS),
+    }
+    vocab = engines[ON_DEMAND].model_config.vocab_size
+    rounds: dict[str, list[Run]] = {side: [] for side in engines}
+    with torch.inference_mode():
+        for repeat in range(1, repeats + 1):
+            requests, ends = early_stops(repeat, vocab)
+            for side in list(engines) if repeat % 2 else list(engines)[::-1]:
+                run = drive(engines[side], requests, ends)
+                rounds[side].append(run)
+                progress(f"round {repeat}, {side}: {brief(run)}")
+        demand = OVERSUBSCRIBED * (LONG_PROMPT + LONG_TOKENS)
+        oversubscribed = engine(model_dir, demand // 3, 32, LONG_PROMPT + LONG_TOKENS)
+        long_run = drive(oversubscribed, every_token(vocab), None)
+        progress(f"every request to max_tokens, a cache of a third: {brief(long_run)}")
+    return summary(rounds, long_run, repeats, kv_tokens)
+
+
+def brief(run: Run) -> str:
+    row = run.row()
+    return (
+        f"{row['tok/s']:.1f} tok/s ({row['decode tok/s']:.1f} in decode-only steps), "
+        f"{row['running per step']:.2f} running per step over {len(run.running)} steps, "
+        f"{sum(run.preemptions)} preemptions"
+    )
+
+
+def summary(rounds: dict[str, list[Run]], long_run: Run, repeats: int, kv_tokens: int) -> dict:
+    keys = ("tok/s", "decode tok/s", "running per step")
+    table = [
+        {
+            "case": f"early stops, {side}",
+            **{key: round(statistics.median(run.row()[key] for run in runs), 2) for key in keys},
+            "preemptions": sum(sum(run.preemptions) for run in runs),
+        }
+        for side, runs in rounds.items()
+    ]
+    ratios = {
+        key: [d.row()[key] / r.row()[key] for d, r in zip(rounds[ON_DEMAND], rounds[RESERVING], strict=True)]
+        for key in keys
+    }
+    table.append(
+        {
+            "case": "early stops, on demand / reserving",
+            **{key: round(statistics.median(values), 2) for key, values in ratios.items()},
+            "preemptions": "",
+        }
+    )
+    preempted = [p for p in long_run.preemptions if p]
+    table.append(
+        {
+            "case": f"every request to max_tokens, a cache of 1/3: {len(long_run.preemptions)} finished",
+            **{key: round(long_run.row()[key], 2) for key in keys},
+            "preemptions": f"{len(preempted)} requests, {statistics.fmean(preempted or [0]):.2f} each",
+        }
+    )
+    return {
+        "setup": setup(repeats, kv_tokens),
+        "table": table,
+        "ratios": ratios,
+        "running": {side: runs[-1].running for side, runs in rounds.items()},
+        "long_run": {
+            "running": long_run.running,
+            "steps_without_progress": sum(1 for c in long_run.computed if c == 0),
+            "preemptions": long_run.preemptions,
+        },
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def setup(repeats: int, kv_tokens: int) -> str:
+    return (
+        f"Default model on the CPU, float32, distinct prompts (the prefix cache serves only a "
+        f"preempted request's own blocks back). Early stops: {REQUESTS} requests of {PROMPT}-token "
+        f"prompts with max_tokens {MAX_TOKENS}, arriving at once, each ended when its output reaches "
+        f"a length drawn from {ENDS[0]}..{ENDS[1]} (as an end-of-sequence token would end it), in a "
+        f"KV cache of {kv_tokens} positions: {RESERVATIONS} requests' prompt + max_tokens. The "
+        f"reserving side is the same engine admitting at most {RESERVATIONS} at once, as "
+        f"reservations do. Decode tok/s: tokens over the time in steps without prompt chunks (both "
+        f"sides compute the same prompts). Medians of {repeats} rounds, the sides alternating which "
+        f"runs first; ratios are medians of per-round ratios. Every request to max_tokens: "
+        f"{OVERSUBSCRIBED} requests of {LONG_PROMPT}-token prompts and {LONG_TOKENS} new tokens "
+        f"each, in a cache of a third of their positions"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    result = kv_pressure(default_model_dir(), args.repeats, print)
+    print(result["setup"] + f"; torch threads {result['torch_threads']}.")
+    print(markdown_table(result["table"]))
+    idle = result["long_run"]["steps_without_progress"]
+    print(f"steps without progress, every request to max_tokens: {idle}")
+
+
+if __name__ == "__main__":
+    main()
