@@ -6,8 +6,8 @@ end when their output reaches a length drawn from 48..80 (as an end-of-sequence 
 answer long before max_tokens; the run ends each request there itself, so both cases generate
 the same tokens). The KV cache holds RESERVATIONS requests' prompt + max_tokens. The reserving
 side is the same engine with max_num_seqs at RESERVATIONS: all a reservation admits, and it
-never preempts. Figures per round: running requests per step (mean) and generated tokens/s over
-the round; the two sides alternate which runs first.
+never preempts. The two sides run in lock step, one engine step each in turn. Figures per round:
+running requests per step (mean) and generated tokens/s over each side's own step time.
 
 Every request to max_tokens. OVERSUBSCRIBED requests of 128-token prompts, max_tokens 256 and
 no early end, in a cache of a third of what they need at once: every one finishes, every step
@@ -64,44 +64,64 @@ def engine(model_dir, kv_tokens: int, max_num_seqs: int, max_model_len: int) -> 
     return Engine(config)
 
 
-def drive(eng: Engine, requests: list[Request], ends: list[int] | None) -> Run:
-    """Submit every request, then step until all finished; a request with an end is aborted once
-    its output reaches it. Steps, their tokens and the time in decode-only steps are counted
-    around the runner."""
-    outputs: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
-    computed: list[int] = []  # per engine step, 0 when it ran nothing
-    decode_seconds = 0.0
-    run_chunks = eng.runner.run
+class Driven:
+    """One engine running `requests`, stepped from outside; a request with an end is aborted once
+    its output reaches it. Counts its own step time, the tokens each step computed, and the time
+    in decode-only steps (around the runner)."""
 
-    def counting_run(chunks):
-        nonlocal decode_seconds
-        computed[-1] += sum(c.num_tokens for c in chunks)
+    def __init__(self, eng: Engine, requests: list[Request], ends: list[int] | None):
+        self.eng, self.seconds, self.decode_seconds = eng, 0.0, 0.0
+        self.outputs: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
+        self.computed: list[int] = []  # per engine step, 0 when it ran nothing
+        self.running: list[int] = []
+        self._run_chunks = eng.runner.run
+        eng.runner.run = self._counting_run
+        for i, request in enumerate(requests):
+            eng.submit(request, self._sink(request.request_id, ends[i] if ends else None))
+
+    def _sink(self, rid: str, end: int | None) -> Callable[[Delta], None]:
+        def sink(delta: Delta) -> None:
+            self.outputs[rid].append(delta)
+            if end is not None and sum(len(d.token_ids) for d in self.outputs[rid]) == end:
+                self.eng.abort(rid)
+
+        return sink
+
+    def _counting_run(self, chunks):
+        self.computed[-1] += sum(c.num_tokens for c in chunks)
         start = time.perf_counter()
-        out = run_chunks(chunks)
+        out = self._run_chunks(chunks)
         if all(c.num_tokens == 1 for c in chunks):
-            decode_seconds += time.perf_counter() - start
+            self.decode_seconds += time.perf_counter() - start
         return out
 
-    eng.runner.run = counting_run
-    start, running = time.perf_counter(), []
-    for i, request in enumerate(requests):
-        end = ends[i] if ends else None
+    @property
+    def done(self) -> bool:
+        return all(d and d[-1].finish_reason is not None for d in self.outputs.values())
 
-        def sink(delta: Delta, rid=request.request_id, end=end) -> None:
-            outputs[rid].append(delta)
-            if end is not None and sum(len(d.token_ids) for d in outputs[rid]) == end:
-                eng.abort(rid)
+    def step(self) -> None:
+        self.computed.append(0)
+        start = time.perf_counter()
+        self.eng.step()
+        self.seconds += time.perf_counter() - start
+        self.running.append(len(self.eng.scheduler.running))
 
-        eng.submit(request, sink)
-    while any(not d or d[-1].finish_reason is None for d in outputs.values()):
-        computed.append(0)
-        eng.step()
-        running.append(len(eng.scheduler.running))
-    seconds = time.perf_counter() - start
-    eng.runner.run = run_chunks
-    tokens = sum(len(delta.token_ids) for deltas in outputs.values() for delta in deltas)
-    preemptions = [deltas[-1].preemptions for deltas in outputs.values()]
-    return Run(seconds, tokens, running, computed, decode_seconds, preemptions)
+    def result(self) -> Run:
+        self.eng.runner.run = self._run_chunks
+        tokens = sum(len(delta.token_ids) for deltas in self.outputs.values() for delta in deltas)
+        preemptions = [deltas[-1].preemptions for deltas in self.outputs.values()]
+        return Run(self.seconds, tokens, self.running, self.computed, self.decode_seconds, preemptions)
+
+
+def drive(engines: dict[str, Engine], requests: list[Request], ends: list[int] | None) -> dict[str, Run]:
+    """The same requests on every engine, the engines taking one step each in turn, so the
+    machine's drift reaches them alike; each one's figures over its own step time."""
+    driven = {side: Driven(eng, requests, ends) for side, eng in engines.items()}
+    while not all(d.done for d in driven.values()):
+        for d in driven.values():
+            if not d.done:
+                d.step()
+    return {side: d.result() for side, d in driven.items()}
 
 
 def early_stops(round_: int, vocab: int) -> tuple[list[Request], list[int]]:
@@ -134,13 +154,12 @@ def kv_pressure(model_dir, repeats: int = 2, progress: Callable[[str], None] = l
     with torch.inference_mode():
         for repeat in range(1, repeats + 1):
             requests, ends = early_stops(repeat, vocab)
-            for side in list(engines) if repeat % 2 else list(engines)[::-1]:
-                run = drive(engines[side], requests, ends)
+            for side, run in drive(engines, requests, ends).items():
                 rounds[side].append(run)
                 progress(f"round {repeat}, {side}: {brief(run)}")
         demand = OVERSUBSCRIBED * (LONG_PROMPT + LONG_TOKENS)
         oversubscribed = engine(model_dir, demand // 3, 32, LONG_PROMPT + LONG_TOKENS)
-        long_run = drive(oversubscribed, every_token(vocab), None)
+        long_run = drive({"oversubscribed": oversubscribed}, every_token(vocab), None)["oversubscribed"]
         progress(f"every request to max_tokens, a cache of a third: {brief(long_run)}")
     return summary(rounds, long_run, repeats, kv_tokens)
 
@@ -205,9 +224,10 @@ def setup(repeats: int, kv_tokens: int) -> str:
         f"a length drawn from {ENDS[0]}..{ENDS[1]} (as an end-of-sequence token would end it), in a "
         f"KV cache of {kv_tokens} positions: {RESERVATIONS} requests' prompt + max_tokens. The "
         f"reserving side is the same engine admitting at most {RESERVATIONS} at once, as "
-        f"reservations do. Decode tok/s: tokens over the time in steps without prompt chunks (both "
-        f"sides compute the same prompts). Medians of {repeats} rounds, the sides alternating which "
-        f"runs first; ratios are medians of per-round ratios. Every request to max_tokens: "
+        f"reservations do. The sides step in turn, each timed over its own steps; decode tok/s: "
+        f"tokens over the time in steps without prompt chunks (both sides compute the same "
+        f"prompts). Medians of {repeats} rounds; ratios are medians of per-round ratios. Every "
+        f"request to max_tokens: "
         f"{OVERSUBSCRIBED} requests of {LONG_PROMPT}-token prompts and {LONG_TOKENS} new tokens "
         f"each, in a cache of a third of their positions"
     )

@@ -10,7 +10,8 @@ adapters, so 2 adapters by default keep the caching-off side within minutes on a
 8 runs the full shape.
 
 No shared prefix. Distinct prompts: caching on can only cost (hashing every full block, keeping
-freed ones); generated tokens/s, rounds alternating which side runs first.
+freed ones). Both sides run the same requests in lock step, one engine step each in turn, so
+the machine's drift reaches both alike; generated tokens/s over each side's own step time.
 
     LORAMUX_CACHE=.cache .venv/bin/python -m bench.prefix_cache [--adapters 2] [--repeats 3]
 """
@@ -80,6 +81,22 @@ def closed_loop(
     return [finals[r.request_id] for r in requests], [first_token[r.request_id] for r in requests], seconds
 
 
+def lockstep(engines: dict[str, Engine], requests: list[Request]) -> dict[str, float]:
+    """Every request on every engine, all in flight, the engines taking one step each in turn;
+    generated tokens over each engine's own time in its steps."""
+    finals: dict[str, list[Delta]] = {side: [] for side in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    for side, engine in engines.items():
+        for request in requests:
+            engine.submit(request, lambda d, out=finals[side]: d.finish_reason and out.append(d))
+    while any(len(done) < len(requests) for done in finals.values()):
+        for side, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            seconds[side] += time.perf_counter() - start
+    return {side: sum(d.completion_tokens for d in finals[side]) / seconds[side] for side in engines}
+
+
 def shared_requests(adapters: list[str], vocab: int, seed: int) -> list[Request]:
     rng = random.Random(seed)
     systems = {a: [rng.randrange(17, vocab) for _ in range(SYSTEM)] for a in adapters}
@@ -129,10 +146,9 @@ def prefix_cache(
             )
         distinct: dict[str, list[float]] = {ON: [], OFF: []}
         for repeat in range(repeats):
-            requests = distinct_requests(names, vocab, 100 + repeat)
-            for side in (ON, OFF) if repeat % 2 == 0 else (OFF, ON):
-                finals, _, seconds = closed_loop(built[side], requests, DISTINCT)
-                distinct[side].append(sum(f.completion_tokens for f in finals) / seconds)
+            rates = lockstep(built, distinct_requests(names, vocab, 100 + repeat))
+            for side, rate in rates.items():
+                distinct[side].append(rate)
             rates = ", ".join(f"{side} {distinct[side][-1]:.1f}" for side in (ON, OFF))
             progress(f"no shared prefix, round {repeat + 1}: {rates} tok/s")
     return summary(shared, distinct, adapters, repeats)
@@ -191,8 +207,8 @@ def setup(adapters: int, repeats: int) -> str:
         f"{QUESTION}-token questions per adapter, {NEW_TOKENS} new tokens each, {CLIENTS} requests in "
         f"flight (a new one as each ends, the adapters taking turns); prompt tokens computed are "
         f"prompt tokens less cached ones. No shared prefix: {DISTINCT} distinct {DISTINCT_PROMPT}-token "
-        f"prompts, {DISTINCT_TOKENS} new tokens each, all in flight; medians of {repeats} rounds, the "
-        f"sides alternating which runs first, the ratio the median of per-round ratios"
+        f"prompts, {DISTINCT_TOKENS} new tokens each, all in flight, the two engines stepping in turn; "
+        f"medians of {repeats} rounds, the ratio the median of per-round ratios"
     )
 
 

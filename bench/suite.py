@@ -85,7 +85,7 @@ BENCHMARKS = (
     Benchmark("rank_padding", "Rank padding", rank_padding.rank_padding, plots.rank_padding, 3),
     Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 1),
     Benchmark("kv_pressure", "KV memory under pressure", kv_pressure.kv_pressure, plots.kv_pressure, 2),
-    Benchmark("prefix_cache", "Prefix cache", prefix_cache.prefix_cache, plots.prefix_cache, 2),
+    Benchmark("prefix_cache", "Prefix cache", prefix_cache.prefix_cache, plots.prefix_cache, 3),
 )
 
 
