@@ -185,8 +185,8 @@ class Scheduler:
             seq.adapter_key, seq.block_hashes = key, []
         if not self.blocks.prefix_caching:
             return []
-        seq.block_hashes = chain(seq.token_ids, self.block_size, key, seq.block_hashes)
-        return self.blocks.cached_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
+        usable = (seq.num_tokens - 1) // self.block_size
+        return self.blocks.cached_prefix(self._hashes(seq, usable)[:usable])
 
     def _too_large(self, seq: Sequence, need: tuple[int, ...]) -> FailedPrecondition:
         total = self.memory.stats().bytes_total
@@ -254,10 +254,17 @@ class Scheduler:
         full = seq.num_computed // self.block_size
         if full <= seq.named_blocks:
             return
-        seq.block_hashes = chain(seq.token_ids, self.block_size, seq.adapter_key, seq.block_hashes)
+        hashes = self._hashes(seq, full)
         for b in range(seq.named_blocks, full):
-            self.blocks.name(seq.block_table[b], seq.block_hashes[b])
+            self.blocks.name(seq.block_table[b], hashes[b])
         seq.named_blocks = full
+
+    def _hashes(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """The hashes of at least the sequence's first `blocks` full blocks, each computed once
+        (a waiting sequence is looked up at every step)."""
+        if len(seq.block_hashes) < blocks:
+            seq.block_hashes = chain(seq.token_ids, self.block_size, seq.adapter_key, seq.block_hashes)
+        return seq.block_hashes
 
     def drop_computed(self, seq: Sequence) -> list[int]:
         """A running sequence's logits came out NaN or Inf: the blocks it computed (not those it
