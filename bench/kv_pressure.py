@@ -31,7 +31,7 @@ from inference_service.engine import Delta, Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 
 BLOCK = 16
-REQUESTS, PROMPT, MAX_TOKENS, ENDS = 24, 512, 1024, (48, 80)
+REQUESTS, PROMPT, MAX_TOKENS, ENDS = 48, 512, 1024, (48, 80)
 RESERVATIONS = 4  # requests whose prompt + max_tokens the cache holds
 OVERSUBSCRIBED, LONG_PROMPT, LONG_TOKENS = 12, 128, 256
 RESERVING, ON_DEMAND = "reserving prompt + max_tokens", "blocks on demand"
