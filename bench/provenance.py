@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = "bench/results"  # what a suite writes as it goes: a change there is no change of code
 # x86 extensions that pick torch's CPU kernels (oneDNN, FBGEMM): bf16 matmuls run several times
 # faster with AMX than with AVX2 alone, and a CPU model name ("AMD EPYC") may not say which.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -26,11 +27,11 @@ def provenance() -> dict:
 
 
 def commit(repo: Path = REPO) -> str:
-    """HEAD's short hash, "+dirty" when tracked files differ from it (the figures then came from
-    code no commit holds); "unknown" outside a git checkout."""
+    """HEAD's short hash, "+dirty" when tracked files other than bench results differ from it
+    (the figures then came from code no commit holds); "unknown" outside a git checkout."""
     try:
         head = _git(repo, "rev-parse", "--short", "HEAD")
-        changed = _git(repo, "status", "--porcelain", "--untracked-files=no")
+        changed = _git(repo, "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{RESULTS}")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if changed else "")

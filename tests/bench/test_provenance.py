@@ -49,6 +49,13 @@ def test_commit_is_dirty_while_tracked_files_differ_from_it(tmp_path):
     head = git(repo, "rev-parse", "--short", "HEAD")
     (repo / "untracked.py").write_text("")
     assert commit(repo) == head  # a file git does not track changes no figure
+    (repo / "bench" / "results").mkdir(parents=True)
+    (repo / "bench" / "results" / "a.json").write_text("{}")
+    git(repo, "add", "bench")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "results")
+    head = git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "bench" / "results" / "a.json").write_text('{"new": 1}')
+    assert commit(repo) == head  # a suite writing its results as it goes changes no code
     (repo / "a.py").write_text("x = 2\n")
     assert commit(repo) == f"{head}+dirty"
     assert commit(outside) == "unknown"
