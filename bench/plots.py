@@ -156,7 +156,9 @@ def kv_pressure(result: dict, path: Path) -> None:
     for side, running in result["running"].items():
         left.plot(range(1, len(running) + 1), running, label=side, linewidth=1)
     ratio = statistics.median(result["ratios"]["running per step"])
-    left.set_title(f"early stops: running requests per step (on demand / reserving {ratio:.2f})", fontsize=10)
+    left.set_title(
+        f"early stops: running requests per step\n(on demand / reserving {ratio:.2f})", fontsize=10
+    )
     left.set_xlabel("step")
     left.set_ylabel("running requests")
     left.legend(fontsize=7)
@@ -164,8 +166,8 @@ def kv_pressure(result: dict, path: Path) -> None:
     right.plot(range(1, len(long_run["running"]) + 1), long_run["running"], linewidth=1)
     preempted = sum(1 for p in long_run["preemptions"] if p)
     right.set_title(
-        f"every request to max_tokens, cache 1/3: {preempted} preempted, "
-        f"{long_run['steps_without_progress']} idle steps",
+        f"every request to max_tokens, a cache of 1/3:\n{preempted} preempted, "
+        f"{long_run['steps_without_progress']} steps without progress",
         fontsize=10,
     )
     right.set_xlabel("step")
