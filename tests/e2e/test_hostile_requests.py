@@ -140,7 +140,9 @@ def test_worker_serves_a_normal_request_after_the_fuzzing(stub, worker):  # runs
 def test_prompt_over_the_byte_bound_names_size_and_bound(stub):
     code, details, _ = generate(stub, pb.GenerateRequest(text="x" * (1 << 20)))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
-    assert f"text prompt is {1 << 20} bytes; at most" in details and f"max_model_len {MAX_MODEL_LEN}" in details
+    assert (
+        f"text prompt is {1 << 20} bytes; at most" in details and f"max_model_len {MAX_MODEL_LEN}" in details
+    )
 
 
 def test_message_over_max_message_bytes_is_refused_unread(stub):

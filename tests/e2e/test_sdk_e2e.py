@@ -41,7 +41,9 @@ def registered(store, sources_root) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def in_process(long_model, tiny_adapters) -> list[list[int]]:
     """Every WORKLOAD request's greedy tokens from the in-process engine."""
-    engine = Engine(EngineConfig(model=str(long_model), max_loras=4, kv_cache_tokens=2048, max_model_len=2048))
+    engine = Engine(
+        EngineConfig(model=str(long_model), max_loras=4, kv_cache_tokens=2048, max_model_len=2048)
+    )
     for name in ADAPTERS:
         engine.add_adapter(name, tiny_adapters["llama"][name])
     requests = [

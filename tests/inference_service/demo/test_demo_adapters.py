@@ -23,7 +23,13 @@ def upper_share(text: str) -> float:
 def answers(default_model_dir, tokenizer) -> dict[str | None, str]:
     """Greedy answer to QUESTION from the base model and from each adapter, in one batch."""
     engine = Engine(
-        EngineConfig(model=str(default_model_dir), max_loras=2, max_lora_rank=16, kv_cache_tokens=256, max_model_len=256)
+        EngineConfig(
+            model=str(default_model_dir),
+            max_loras=2,
+            max_lora_rank=16,
+            kv_cache_tokens=256,
+            max_model_len=256,
+        )
     )
     for name in ADAPTERS:
         engine.add_adapter(name, DEMO_ADAPTERS / name)

@@ -15,7 +15,9 @@ PROMPT = [SequenceInput([3, 14, 15, 92, 65], 0, [0, 1])]
 
 
 def _logits(model_dir):
-    return ModelRunner(EngineConfig(model=str(model_dir), kv_cache_tokens=64, max_model_len=64)).forward(PROMPT)
+    return ModelRunner(EngineConfig(model=str(model_dir), kv_cache_tokens=64, max_model_len=64)).forward(
+        PROMPT
+    )
 
 
 def test_sharded_checkpoint_loads_the_same_model(tiny_models, tmp_path):
