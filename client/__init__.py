@@ -23,7 +23,7 @@ from .errors import (
 )
 from .stream import AsyncStream, Stream
 from .sync_client import Client
-from .types import Adapter, Completion, Delta, ModelInfo, TokenLogprob, WorkerAdapter
+from .types import Adapter, Completion, Delta, ModelInfo, TokenLogprob, TopLogprob, WorkerAdapter
 
 __all__ = [
     "Adapter",
@@ -45,6 +45,7 @@ __all__ = [
     "ResourceExhausted",
     "Stream",
     "TokenLogprob",
+    "TopLogprob",
     "Unauthenticated",
     "Unavailable",
     "WorkerAdapter",

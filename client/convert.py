@@ -11,7 +11,7 @@ from google.protobuf.message import Message as Proto
 from shared.pb.loramux.inference.v1 import inference_pb2 as inference_pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
 
-from .types import Adapter, Completion, Delta, ModelInfo, TokenLogprob, WorkerAdapter
+from .types import Adapter, Completion, Delta, ModelInfo, TokenLogprob, TopLogprob, WorkerAdapter
 
 SAMPLING_FIELDS = tuple(inference_pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
@@ -127,8 +127,8 @@ def delta(message: inference_pb.Delta) -> Delta:
 
 
 def token_logprob(message: inference_pb.TokenLogprob) -> TokenLogprob:
-    top = [(alt.token_id, alt.logprob) for alt in message.top]
-    return TokenLogprob(token_id=message.token_id, logprob=message.logprob, top=top)
+    top = [TopLogprob(alt.token_id, alt.logprob, alt.token_bytes) for alt in message.top]
+    return TokenLogprob(message.token_id, message.logprob, top, message.token_bytes)
 
 
 def completion(deltas: list[Delta], final: inference_pb.Final) -> Completion:

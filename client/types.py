@@ -2,6 +2,15 @@
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
+
+
+class TopLogprob(NamedTuple):
+    """One alternative token at a position."""
+
+    token_id: int
+    logprob: float
+    token_bytes: bytes  # the bytes of text it stands for (part of a UTF-8 character for some)
 
 
 @dataclass(frozen=True)
@@ -10,7 +19,8 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+    top: list[TopLogprob]  # most likely first
+    token_bytes: bytes = b""  # the bytes of text the token stands for
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,9 @@ class Tokenizer:
         self._bos_token_id = self._id_of(self._bos_token, model_config.get("bos_token_id"))
         self._eos_token_ids = self._eos_ids(model_config.get("eos_token_id"))
         self._template = _compile(chat_template, model_dir) if chat_template else None
-        self._max_token_bytes = _max_token_bytes(backend)
+        pieces = _pieces(backend)
+        self._max_token_bytes = _max_token_bytes(pieces)
+        self._token_bytes = _token_bytes(backend, pieces)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -68,6 +70,11 @@ class Tokenizer:
         """The most UTF-8 bytes of text one token can stand for: a text of more than
         n × max_token_bytes bytes tokenizes into more than n tokens."""
         return self._max_token_bytes
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for; the tokens of a text join into its UTF-8 bytes,
+        though a token alone may hold part of a character (byte-level and byte-fallback BPE)."""
+        return self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in it (e.g. <|im_end|>) stay one token each.
@@ -111,15 +118,55 @@ class Tokenizer:
         return tuple(dict.fromkeys(i for i in ids if i is not None))  # dedupe, keep order
 
 
-def _max_token_bytes(backend: tokenizers.Tokenizer) -> int:
+def _pieces(backend: tokenizers.Tokenizer) -> list[str]:
+    """Every token decoded alone, special tokens included."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    return backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+
+
+def _max_token_bytes(pieces: list[str]) -> int:
     """A token decodes to the bytes it covers; + 1 for the leading space a decoder drops from a
     token decoded alone (SentencePiece's ▁). A byte-fallback or partial-character token decodes
     to U+FFFD (3 bytes), more than the bytes it covers, so the bound only errs high. Not so for a
     normalizer that composes characters (Qwen2's NFC): decomposed text (Hangul jamo) shrinks up to
     3x before tokenizing, so such a prompt near max_model_len may be refused though it would fit."""
-    size = backend.get_vocab_size(with_added_tokens=True)
-    pieces = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
     return max((len(p.encode("utf-8")) for p in pieces), default=0) + 1
+
+
+def _token_bytes(backend: tokenizers.Tokenizer, pieces: list[str]) -> list[bytes]:
+    """Each token's own bytes. Decoding a token alone turns a partial character into U+FFFD, so
+    the bytes come from the vocabulary's spelling where the decoder says how to read it: byte-level
+    BPE spells each byte as one character (GPT-2's table); SentencePiece with byte fallback spells
+    bytes as <0xNN> and spaces as ▁. Added (special) tokens are their own text."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    steps = [d.get("type") for d in decoder.get("decoders", [])] or [decoder.get("type")]
+    added = backend.get_added_tokens_decoder()
+    spell = [backend.id_to_token(i) for i in range(len(pieces))]
+    if "ByteLevel" in steps:
+        byte_of = {ch: b for b, ch in enumerate(_byte_level_alphabet())}
+        read = lambda token: bytes(byte_of[ch] for ch in token)  # noqa: E731
+    elif "ByteFallback" in steps:
+        read = _byte_fallback_bytes
+    else:
+        read = None
+    return [
+        piece.encode("utf-8") if read is None or i in added or token is None else read(token)
+        for i, (token, piece) in enumerate(zip(spell, pieces, strict=True))
+    ]
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The character byte-level BPE writes for each byte 0..255 (GPT-2's bytes_to_unicode):
+    printable Latin-1 bytes as themselves, the others as characters from U+0100 on, in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def _byte_fallback_bytes(token: str) -> bytes:
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])
+    return token.replace("▁", " ").encode("utf-8")
 
 
 def _read_json(path: Path) -> dict:

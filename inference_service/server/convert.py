@@ -1,5 +1,6 @@
 """Proto <-> domain conversion for the InferenceService, in one place."""
 
+from dataclasses import replace
 from pathlib import Path
 
 from inference_service.engine import AdapterState, Delta, Engine, EngineStats, Request
@@ -35,7 +36,10 @@ def request(
         raise InvalidArgument(f"request_id is {len(label)} characters long; at most {MAX_REQUEST_ID_CHARS}")
     adapter = check_adapter_id(message.adapter) if message.adapter else None
     params = sampling(message.sampling)
-    return Request(prompt_ids(message, tokenizer, max_model_len), adapter, params, worker_request_id)
+    prompt = prompt_ids(message, tokenizer, max_model_len)
+    if message.sampling.max_tokens_to_limit and not message.sampling.HasField("max_tokens"):
+        params = replace(params, max_tokens=max(max_model_len - len(prompt), 1))
+    return Request(prompt, adapter, params, worker_request_id)
 
 
 def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int) -> list[int]:
@@ -90,10 +94,14 @@ def sampling(message: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def delta(d: Delta) -> pb.GenerateResponse:
+def delta(d: Delta, tokenizer: Tokenizer | None) -> pb.GenerateResponse:
+    spell = tokenizer.token_bytes if tokenizer is not None else lambda _: b""
     logprobs = [
         pb.TokenLogprob(
-            token_id=token, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+            token_id=token,
+            logprob=lp.logprob,
+            token_bytes=spell(token),
+            top=[pb.TopLogprob(token_id=t, logprob=p, token_bytes=spell(t)) for t, p in lp.top],
         )
         for token, lp in zip(d.token_ids, d.logprobs, strict=False)
     ]

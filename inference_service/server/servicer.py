@@ -43,7 +43,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if delta.token_ids:
                     call.tokens(len(delta.token_ids))
                 if delta.token_ids or delta.text:
-                    yield convert.delta(delta)
+                    yield convert.delta(delta, engine.tokenizer)
                 if delta.error is not None:
                     raise delta.error
                 if delta.finish_reason is not None:

@@ -151,3 +151,31 @@ def test_template_raise_exception_is_invalid_argument(default_model_dir, tmp_pat
 def test_malformed_messages_are_invalid_argument(tokenizer, messages):
     with pytest.raises(InvalidArgument):
         tokenizer.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("text", TEXTS + NUMBERS_AFTER_BLANKS)
+def test_token_bytes_join_into_the_text(tokenizer, text):
+    """Byte-level BPE: a token may hold part of a character (🚀 is several tokens), and its bytes are
+    those bytes, not the U+FFFD it decodes to alone."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+def test_token_bytes_of_a_byte_fallback_tokenizer(tmp_path):
+    """SentencePiece-style (Llama 2, Mistral): ▁ for spaces, <0xNN> tokens for bytes the vocabulary lacks."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"▁": 256, "a": 257, "b": 258, "▁a": 259, "▁ab": 260}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("▁", "a"), ("▁a", "b")], byte_fallback=True))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    backend.decoder = tokenizers.decoders.Sequence(
+        [
+            tokenizers.decoders.Replace("▁", " "),
+            tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse(),
+            tokenizers.decoders.Strip(" ", 1, 0),
+        ]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    ids = tokenizer.encode("ab a 🚀", add_special_tokens=False)
+    assert [tokenizer.token_bytes(i) for i in ids] == [b" ab", b" a", b" ", b"\xf0", b"\x9f", b"\x9a", b"\x80"]

@@ -1,0 +1,83 @@
+"""Chat and text completions: a parsed request becomes Samples, answered whole or as SSE."""
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.types import Receive, Scope, Send
+
+from loramux import Completion
+
+from .errors import ApiError
+from .metrics import GatewayMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .renderer import ChatRenderer, Renderer, TextRenderer
+from .samples import Samples
+from .upstream import Upstream
+
+DONE = format_sse_event(data_str="[DONE]")
+
+
+class SseResponse(EventSourceResponse):
+    """Closes its stream however the response ends, a client gone mid-stream included, so the
+    Generate calls behind it are cancelled now rather than when the garbage collector finds them."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
+    inputs = [{"messages": [m.sdk_message() for m in body.messages]}]
+    return await _serve(request, body, inputs, ChatRenderer, upstream, metrics)
+
+
+async def text(request: Request, body: CompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
+    return await _serve(request, body, body.prompts(), TextRenderer, upstream, metrics)
+
+
+async def _serve(request, body, inputs: list[dict], kind: type[Renderer], upstream: Upstream, metrics):
+    start = time.perf_counter()
+    adapter = await upstream.adapter_for(body.model)
+    renderer = kind(body.model, body.alternatives, body.include_usage)
+    sampling = body.sdk_sampling(_asked_logprobs(body.alternatives))
+    samples = await Samples.start(
+        upstream.client, body.model, adapter, inputs, body.n, sampling, body.seed, renderer.id
+    )
+    metrics.first_token.observe(time.perf_counter() - start)
+    request.state.model = body.model
+    if body.stream:
+        return SseResponse(_events(samples, renderer, body.include_usage))
+    completions = await samples.completions()
+    return JSONResponse(renderer.whole(completions, samples.usage(completions)))
+
+
+def _asked_logprobs(alternatives: int | None) -> int:
+    """The worker's logprobs argument: 0 returns none at all, so a request for the chosen token's
+    logprob alone asks for one alternative and shows none."""
+    return 0 if alternatives is None else max(alternatives, 1)
+
+
+async def _events(samples: Samples, renderer: Renderer, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per delta and per choice's end, the usage chunk when asked for, then
+    [DONE]. An error after the response has started goes out as an error event (the status is sent)."""
+    ended: dict[int, Completion] = {}
+    try:
+        async for index, event in samples.events():
+            if isinstance(event, Completion):
+                ended[index] = event
+            yield _sse(renderer.chunk(index, event))
+        if include_usage:
+            yield _sse(renderer.usage_chunk(samples.usage([ended[i] for i in sorted(ended)])))
+    except ApiError as e:
+        yield _sse(e.body())
+    yield DONE
+
+
+def _sse(body: dict) -> bytes:
+    return format_sse_event(data_str=json.dumps(body, ensure_ascii=False))

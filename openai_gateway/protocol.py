@@ -1,0 +1,190 @@
+"""The request bodies the gateway accepts, as pydantic models, and the parameters it refuses.
+
+OpenAI refuses arguments it does not know ("Unrecognized request argument supplied: x"); so do we,
+and we also refuse the OpenAI parameters we do not implement unless they hold their neutral value,
+so a request never gets silently different sampling than it asked for. top_k, min_p,
+repetition_penalty, ignore_eos and stop_token_ids are accepted as extensions (vLLM's extra_body).
+"""
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .config import MAX_N
+from .errors import ApiError, invalid_body
+
+MAX_LOGPROBS = 20  # the worker's bound on alternatives per token
+# OpenAI parameters that are accepted only at a value that changes nothing.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+
+
+class Sampling(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="allow")  # extras are checked against NEUTRAL below
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user label; nothing here acts on it
+    # Extensions, as vLLM takes them.
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name not in NEUTRAL:
+                raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name)
+            if value not in NEUTRAL[name]:
+                raise ApiError(
+                    400, f"`{name}` is not supported by this server (only {NEUTRAL[name][-1]!r})", name
+                )
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sdk_sampling(self, logprobs: int) -> dict:
+        """The SDK's sampling arguments; no max_tokens means what the context leaves (OpenAI's default)."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return {
+            "max_tokens": max_tokens,
+            "max_tokens_to_limit": max_tokens is None,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+        }
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def sdk_message(self) -> dict:
+        """Developer messages are system messages to a chat template; text parts join into one."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+        return self
+
+    @property
+    def alternatives(self) -> int | None:
+        """Alternatives per token, or None when no logprobs were asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of not in (None, self.n):
+            raise ApiError(400, "`best_of` other than `n` is not supported by this server", "best_of")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ApiError(400, "`prompt` must not be an empty list", "prompt")
+        return self
+
+    @property
+    def alternatives(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[dict]:
+        """Each prompt as the SDK's input argument: {"prompt": text} or {"token_ids": ids}."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [{"prompt": prompt}]
+        if all(isinstance(p, int) for p in prompt):
+            return [{"token_ids": prompt}]
+        return [{"prompt": p} if isinstance(p, str) else {"token_ids": p} for p in prompt]
+
+
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's clients send it; names identify adapters here
+
+
+async def parse_body(request, model: type[BaseModel]) -> BaseModel:
+    """The request's JSON body as `model`: 400 naming what is wrong (the size limit is the app's)."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"The request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"The request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise invalid_body(e) from None

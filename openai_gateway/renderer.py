@@ -1,0 +1,125 @@
+"""Renderer: one request's choices as OpenAI's JSON, whole or as stream chunks, for chat
+(`chat.completion`) and legacy text (`text_completion`) completions.
+
+The two differ only in how a choice's text and logprobs are wrapped; the stream keeps, per choice,
+what its next chunk needs (chat's role goes in the first chunk; text offsets run on).
+"""
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+
+from loramux import Completion, Delta
+
+from . import logprobs as lp
+from .samples import Event, Usage
+
+
+class Renderer(ABC):
+    object = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, alternatives: int | None, include_usage: bool):
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self._alternatives = alternatives  # None: no logprobs asked for
+        self._include_usage = include_usage
+        self._sent: dict[int, int] = {}  # choice index -> characters of text sent
+
+    def whole(self, completions: list[Completion], usage: Usage) -> dict:
+        choices = [self._whole_choice(i, c) for i, c in enumerate(completions)]
+        return self._envelope(self.object, choices) | {"usage": usage.body()}
+
+    def chunk(self, index: int, event: Event) -> dict:
+        if isinstance(event, Completion):
+            choice = self._last_choice(index, event)
+        else:
+            choice = self._delta_choice(index, event)
+            self._sent[index] = self._sent.get(index, 0) + len(event.text)
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return self._envelope(self.chunk_object, []) | {"usage": usage.body()}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        body = self._envelope(self.chunk_object, choices)
+        return body | {"usage": None} if self._include_usage else body
+
+    def _envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    @abstractmethod
+    def _whole_choice(self, index: int, completion: Completion) -> dict:
+        """A choice of the whole response."""
+
+    @abstractmethod
+    def _delta_choice(self, index: int, delta: Delta) -> dict:
+        """A stream chunk's choice carrying new text."""
+
+    @abstractmethod
+    def _last_choice(self, index: int, completion: Completion) -> dict:
+        """A stream chunk's choice carrying the finish reason."""
+
+
+class ChatRenderer(Renderer):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def _whole_choice(self, index: int, completion: Completion) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": completion.text},
+            "logprobs": self._logprobs(completion.logprobs),
+            "finish_reason": completion.finish_reason,
+        }
+
+    def _delta_choice(self, index: int, delta: Delta) -> dict:
+        content = {"content": delta.text}
+        if index not in self._sent:  # a choice's first chunk names the role, as OpenAI's do
+            content = {"role": "assistant"} | content
+        return {
+            "index": index,
+            "delta": content,
+            "logprobs": self._logprobs(delta.logprobs),
+            "finish_reason": None,
+        }
+
+    def _last_choice(self, index: int, completion: Completion) -> dict:
+        start = {} if index in self._sent else {"role": "assistant", "content": ""}
+        return {"index": index, "delta": start, "logprobs": None, "finish_reason": completion.finish_reason}
+
+    def _logprobs(self, entries) -> dict | None:
+        return None if self._alternatives is None else lp.chat(entries, self._alternatives)
+
+
+class TextRenderer(Renderer):
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def _whole_choice(self, index: int, completion: Completion) -> dict:
+        return {
+            "index": index,
+            "text": completion.text,
+            "logprobs": self._logprobs(completion.logprobs, 0),
+            "finish_reason": completion.finish_reason,
+        }
+
+    def _delta_choice(self, index: int, delta: Delta) -> dict:
+        logprobs = self._logprobs(delta.logprobs, self._sent.get(index, 0))
+        return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
+
+    def _last_choice(self, index: int, completion: Completion) -> dict:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": completion.finish_reason}
+
+    def _logprobs(self, entries, offset: int) -> dict | None:
+        return None if self._alternatives is None else lp.text(entries, self._alternatives, offset)
