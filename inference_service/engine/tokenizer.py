@@ -158,7 +158,11 @@ def _token_bytes(backend: tokenizers.Tokenizer, pieces: list[str]) -> list[bytes
 def _byte_level_alphabet() -> list[str]:
     """The character byte-level BPE writes for each byte 0..255 (GPT-2's bytes_to_unicode):
     printable Latin-1 bytes as themselves, the others as characters from U+0100 on, in order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
     shifted = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 

@@ -165,7 +165,9 @@ def test_token_bytes_of_a_byte_fallback_tokenizer(tmp_path):
     """SentencePiece-style (Llama 2, Mistral): ▁ for spaces, <0xNN> tokens for bytes the vocabulary lacks."""
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"▁": 256, "a": 257, "b": 258, "▁a": 259, "▁ab": 260}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("▁", "a"), ("▁a", "b")], byte_fallback=True))
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab, [("▁", "a"), ("▁a", "b")], byte_fallback=True)
+    )
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
     backend.decoder = tokenizers.decoders.Sequence(
         [
@@ -178,4 +180,12 @@ def test_token_bytes_of_a_byte_fallback_tokenizer(tmp_path):
     backend.save(str(tmp_path / "tokenizer.json"))
     tokenizer = Tokenizer.from_dir(tmp_path)
     ids = tokenizer.encode("ab a 🚀", add_special_tokens=False)
-    assert [tokenizer.token_bytes(i) for i in ids] == [b" ab", b" a", b" ", b"\xf0", b"\x9f", b"\x9a", b"\x80"]
+    assert [tokenizer.token_bytes(i) for i in ids] == [
+        b" ab",
+        b" a",
+        b" ",
+        b"\xf0",
+        b"\x9f",
+        b"\x9a",
+        b"\x80",
+    ]
