@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--timeout", type=float, help="deadline in seconds of each gRPC call (default none)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
     return p.parse_args(argv)
 
 
@@ -72,6 +74,7 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         https=https,
         max_body_bytes=args.max_body_bytes,
         timeout_s=args.timeout,
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -93,7 +96,15 @@ def server(config: GatewayConfig) -> uvicorn.Server:
         if https.client_ca is not None:
             tls |= {"ssl_ca_certs": str(https.client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
     app = create_app(config)
-    return uvicorn.Server(uvicorn.Config(app, loop="uvloop", log_level="warning", access_log=False, **tls))
+    settings = uvicorn.Config(
+        app,
+        loop="uvloop",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=config.drain_timeout_s,
+        **tls,
+    )
+    return uvicorn.Server(settings)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     host, port = sock.getsockname()[:2]
     scheme = "https" if config.https else "http"
     print(f"openai gateway ({scheme}) listening on {host}:{port}", flush=True)
+    # uvicorn raises the signal that stopped it again once it has drained; by then the stop is
+    # clean, so it ends the process with 0 (as the worker's and store's stops do), not by the signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sys.exit(0))
     asyncio.run(gateway.serve(sockets=[sock]))
 
 

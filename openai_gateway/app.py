@@ -36,11 +36,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(
         title="loramux OpenAI-compatible gateway",
         lifespan=lifespan,
-        max_body_size=config.max_body_bytes,
         exception_handlers=HANDLERS,
         openapi_url=None,
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    limit = config.max_body_bytes
 
     def api_key(request: Request) -> None:
         require_bearer(request, config.api_key, "API key")
@@ -55,14 +55,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request):
         api_key(request)
         return await completions.chat(
-            request, await parse_body(request, ChatCompletionRequest), upstream, metrics
+            request, await parse_body(request, ChatCompletionRequest, limit), upstream, metrics
         )
 
     @app.post("/v1/completions")
     async def text_completions(request: Request):
         api_key(request)
         return await completions.text(
-            request, await parse_body(request, CompletionRequest), upstream, metrics
+            request, await parse_body(request, CompletionRequest, limit), upstream, metrics
         )
 
     @app.get("/v1/models")
@@ -78,12 +78,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         admin(request)
-        return await adapters.load(await parse_body(request, LoadLoraRequest), upstream)
+        return await adapters.load(await parse_body(request, LoadLoraRequest, limit), upstream)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         admin(request)
-        return await adapters.unload(await parse_body(request, UnloadLoraRequest), upstream)
+        return await adapters.unload(await parse_body(request, UnloadLoraRequest, limit), upstream)
 
     @app.get("/health")
     async def health():

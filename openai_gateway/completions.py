@@ -1,5 +1,6 @@
 """Chat and text completions: a parsed request becomes Samples, answered whole or as SSE."""
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -53,8 +54,28 @@ async def _serve(request, body, inputs: list[dict], kind: type[Renderer], upstre
     request.state.model = body.model
     if body.stream:
         return SseResponse(_events(samples, renderer, body.include_usage))
-    completions = await samples.completions()
+    completions = await _unless_gone(request, samples)
     return JSONResponse(renderer.whole(completions, samples.usage(completions)))
+
+
+async def _unless_gone(request: Request, samples: Samples) -> list[Completion]:
+    """Every completion; if the client hangs up first, the calls are cancelled (the worker frees
+    them) instead of running on for nobody, and the client, gone, gets no answer."""
+    work = asyncio.ensure_future(samples.completions())
+    gone = asyncio.ensure_future(_disconnect(request))
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not work.done():
+        work.cancel()
+        samples.close()
+        raise ApiError(499, "The client closed the connection before the completion ended.")
+    return work.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone: the body is read, so the next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _asked_logprobs(alternatives: int | None) -> int:

@@ -38,11 +38,14 @@ class GatewayConfig:
     https: HttpsFiles | None = None  # None: plain HTTP
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     timeout_s: float | None = None  # deadline of each gRPC call; None = none
+    drain_timeout_s: float = 30.0  # after SIGTERM, how long requests in flight may take
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must not be negative, got {self.drain_timeout_s}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be blank")

@@ -9,6 +9,7 @@ repetition_penalty, ignore_eos and stop_token_ids are accepted as extensions (vL
 import json
 from typing import Annotated, Any, Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .config import MAX_N
@@ -176,15 +177,33 @@ class UnloadLoraRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's clients send it; names identify adapters here
 
 
-async def parse_body(request, model: type[BaseModel]) -> BaseModel:
-    """The request's JSON body as `model`: 400 naming what is wrong (the size limit is the app's)."""
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"The request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"The request body must be a JSON object, got {type(data).__name__}")
+async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """The request's JSON body as `model`: 413 past `limit` bytes (before reading it when its
+    Content-Length says so), 400 naming what is wrong."""
+    data = _json(await _read(request, limit))
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise invalid_body(e) from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    too_large = ApiError(413, f"The request body is larger than this server takes ({limit} bytes).")
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def _json(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"The request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"The request body must be a JSON object, got {type(data).__name__}")
+    return data

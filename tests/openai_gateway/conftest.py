@@ -1,0 +1,113 @@
+"""A store, a worker and the gateway as real processes on loopback, reached with the official
+`openai` client (max_retries=0: every error shows as it is) and the loramux SDK beside it."""
+
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+import loramux
+from shared.pb.loramux.inference.v1 import inference_pb2 as inference_pb
+from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
+from tests.adapter_store.conftest import ADMIN_TOKEN, spawn
+from tests.conftest import build_tiny_model
+from tests.e2e.conftest import (  # noqa: F401 - fixtures
+    WorkerProcess,
+    s3_endpoint,
+    sources_root,
+    store,
+    store_port,
+)
+
+API_KEY = "sk-gateway-test"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+ADAPTERS = ("all8", "qv4")  # registered for the whole module; others are loaded by the tests
+CONTEXT = 4096  # the chat model's max_model_len: room for a stream that runs while a test acts
+
+
+class GatewayProcess:
+    """`python -m openai_gateway` on a free loopback port."""
+
+    def __init__(self, log: Path, *flags: str):
+        self.process, address = spawn("openai_gateway", ["--listen", "127.0.0.1:0", *flags], {}, log)
+        self.url = f"http://{address}"
+        self.log = log
+
+    def stop(self) -> int:
+        self.process.terminate()
+        return self.process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, default_model_dir) -> Path:
+    """The tiny llama with the default model's tokenizer and chat template and a long context; its
+    layer shapes equal the tiny llama's, so the store's adapters fit it."""
+    vocab_size = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
+    path = tmp_path_factory.mktemp("chat") / "llama"
+    build_tiny_model(path, vocab_size=vocab_size, max_position_embeddings=CONTEXT)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir / name).is_file():
+            shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory, chat_model, store):  # noqa: F811
+    process = WorkerProcess(
+        chat_model,
+        store.address,
+        tmp_path_factory.mktemp("gateway-worker") / "cache",
+        "--max-loras",
+        "2",
+        "--kv-cache-tokens",
+        str(4 * CONTEXT),
+    ).start()
+    yield process
+    if process.process.poll() is None:
+        process.terminate()
+        assert process.wait() == 0
+
+
+@pytest.fixture(scope="module")
+def registered(store, sources_root):  # noqa: F811
+    with loramux.Client(store=store.address, admin_token=ADMIN_TOKEN, timeout=60) as admin:
+        return {name: admin.register_adapter(name, f"file://{sources_root / name}") for name in ADAPTERS}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, worker, store, registered):  # noqa: F811
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    flags = ["--worker", worker.address, "--store", store.address, "--api-key", API_KEY]
+    process = GatewayProcess(log, *flags, "--admin-token", ADMIN_TOKEN, "--max-body-bytes", "65536")
+    yield process
+    assert process.stop() == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def base_name(chat_model) -> str:
+    return chat_model.name
+
+
+@pytest.fixture
+def client(gateway) -> OpenAI:
+    with OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def async_client(gateway) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def sdk(worker, store) -> loramux.Client:  # noqa: F811
+    with loramux.Client(worker=worker.address, store=store.address, admin_token=ADMIN_TOKEN, timeout=60) as c:
+        yield c
+
+
+def worker_stats(worker) -> inference_pb.Stats:
+    with grpc.insecure_channel(worker.address) as channel:
+        return inference_grpc.InferenceServiceStub(channel).GetStats(inference_pb.GetStatsRequest())
