@@ -15,6 +15,7 @@ from tests.e2e.conftest import WorkerProcess, free_port, until
 from .conftest import API_KEY, MESSAGES, GatewayProcess, worker_stats
 
 CHAT = {"messages": MESSAGES, "max_tokens": 4}
+WORKER_TOKEN = "worker-secret"
 
 
 def error_of(raised: pytest.ExceptionInfo) -> dict:
@@ -148,9 +149,11 @@ def test_a_client_gone_before_a_whole_completion_leaves_the_worker_no_running_re
 
 @pytest.fixture(scope="module")
 def busy_worker(tmp_path_factory, chat_model):
-    """A worker that holds one call at a time (--max-pending 1)."""
+    """A worker that holds one call at a time (--max-pending 1) and wants a token."""
     cache = tmp_path_factory.mktemp("busy") / "cache"
-    process = WorkerProcess(chat_model, None, cache, "--max-pending", "1").start()
+    process = WorkerProcess(
+        chat_model, None, cache, "--max-pending", "1", "--api-token", WORKER_TOKEN
+    ).start()
     yield process
     process.terminate()
     process.wait()
@@ -158,7 +161,7 @@ def busy_worker(tmp_path_factory, chat_model):
 
 def test_overload_is_429_and_deadlines_504(busy_worker, store, tmp_path, base_name):
     flags = ["--worker", busy_worker.address, "--store", store.address, "--timeout", "1"]
-    gateway = GatewayProcess(tmp_path / "gateway.log", *flags)
+    gateway = GatewayProcess(tmp_path / "gateway.log", *flags, "--worker-token", WORKER_TOKEN)
     try:
         with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
             long = dict(model=base_name, prompt=[5], max_tokens=4000, extra_body={"ignore_eos": True})
@@ -174,6 +177,20 @@ def test_overload_is_429_and_deadlines_504(busy_worker, store, tmp_path, base_na
             assert raised.value.status_code == 504
     finally:
         assert gateway.stop() == 0
+
+
+def test_the_workers_token_goes_with_every_call_and_without_it_the_worker_refuses(
+    busy_worker, store, tmp_path
+):
+    flags = ["--worker", busy_worker.address, "--store", store.address]
+    tokenless = GatewayProcess(tmp_path / "tokenless.log", *flags)
+    try:
+        client = openai.OpenAI(base_url=f"{tokenless.url}/v1", api_key="unused", max_retries=0)
+        with client, pytest.raises(openai.AuthenticationError) as raised:
+            client.completions.create(model="all8", prompt=[5], max_tokens=1)
+        assert raised.value.response.json()["error"]["code"] == "unauthenticated"
+    finally:
+        assert tokenless.stop() == 0
 
 
 def test_an_unreachable_worker_is_503(store, tmp_path):
