@@ -22,6 +22,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+UNION_TAGS = {"str", "int", "float", "bool"}
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 
 
@@ -49,10 +50,17 @@ def model_not_found(model: str) -> ApiError:
 
 
 def invalid_body(error: ValidationError) -> ApiError:
-    """The first thing wrong with a body, naming its parameter as a dotted path (messages.0.role)."""
-    first = error.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    return ApiError(400, f"{param or 'body'}: {first['msg']}", param)
+    """What is wrong with a body, naming its parameter as a dotted path (messages.0.role). Of a
+    union's errors, the one that got furthest into the value says most (an image part is a list
+    entry whose type is not "text", rather than "not a string")."""
+    deepest = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
+    param = ".".join(str(part) for part in deepest["loc"] if not _union_tag(part)) or None
+    return ApiError(400, f"{param or 'body'}: {deepest['msg']}", param)
+
+
+def _union_tag(part: str | int) -> bool:
+    """pydantic names the union member an error is for inside the location (str, list[int], TextPart)."""
+    return isinstance(part, str) and (part in UNION_TAGS or "[" in part or part[:1].isupper())
 
 
 async def api_error_handler(_: Request, error: ApiError) -> JSONResponse:

@@ -113,7 +113,6 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None
 
     def sdk_message(self) -> dict:
         """Developer messages are system messages to a chat template; text parts join into one."""

@@ -74,6 +74,12 @@ def test_an_unknown_model_is_404_in_openais_words(client):
         ({"top_logprobs": 2}, "top_logprobs", "needs `logprobs`"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when `stream`"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "Input should be"),
+        ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages.0.name", "not permitted"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content.0.type",
+            "'text'",
+        ),
     ],
 )
 def test_bad_and_unsupported_parameters_are_400_naming_the_parameter(client, extra, param, says):
@@ -82,6 +88,15 @@ def test_bad_and_unsupported_parameters_are_400_naming_the_parameter(client, ext
     error = error_of(raised)
     assert error["param"] == param and says in error["message"], error
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_prompt_of_the_wrong_type_is_400_naming_it(client):
+    for prompt in (5, [[5, "x"]], []):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model="all8", prompt=prompt, max_tokens=1)
+        assert error_of(raised)["param"] == "prompt" or error_of(raised)["param"].startswith("prompt."), (
+            prompt
+        )
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(client):
