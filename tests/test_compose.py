@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from openai_gateway.__main__ import parse_args as gateway_args
+
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 
@@ -54,8 +56,21 @@ def test_docker_compose_accepts_the_file():
     assert result.returncode == 0, result.stderr
 
 
-def test_the_four_services_exist(services):
-    assert {"minio", "minio-init", "adapter-store", "inference-worker"} <= set(services)
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def published(port: str | dict) -> tuple[str, int, int]:
+    """(host address, host port, container port) of a `ports` entry, short or long form: the file
+    has the short one, docker-compose v1 prints it with "/tcp", v2 prints the long one."""
+    if isinstance(port, dict):
+        return port.get("host_ip", ""), int(port["published"]), int(port["target"])
+    *host, outside, inside = port.removesuffix("/tcp").split(":")
+    return ":".join(host), int(outside), int(inside)
+
+
+def test_the_services_exist(services):
+    assert {"minio", "minio-init", "adapter-store", "inference-worker", "openai-gateway"} <= set(services)
 
 
 def test_store_and_worker_have_healthchecks(services):
@@ -64,13 +79,40 @@ def test_store_and_worker_have_healthchecks(services):
     assert worker_check[-2:] == ["127.0.0.1:50051", "readiness"]
 
 
+def test_gateway_healthcheck_asks_its_own_health_route(services):
+    gateway = services["openai-gateway"]
+    port = flag(gateway["command"], "--listen").rsplit(":", 1)[1]
+    assert f"'http://127.0.0.1:{port}/health'" in gateway["healthcheck"]["test"][-1]
+
+
+def test_gateway_reaches_the_worker_and_store_services_where_they_listen(services):
+    command = services["openai-gateway"]["command"]
+    assert command[:3] == ["python", "-m", "openai_gateway"]
+    args = gateway_args(command[3:])  # exits on a flag the gateway does not have
+    for address, service in ((args.worker, "inference-worker"), (args.store, "adapter-store")):
+        host, _, port = address.rpartition(":")
+        assert host == service, f"--worker/--store {address}: no service {host}"
+        assert flag(services[service]["command"], "--listen") == f"0.0.0.0:{port}"
+
+
+def test_gateway_has_the_stores_admin_token_and_publishes_its_port(services):
+    gateway, store = services["openai-gateway"], services["adapter-store"]
+    assert gateway["environment"]["LORAMUX_ADMIN_TOKEN"] == store["environment"]["LORAMUX_ADMIN_TOKEN"]
+    listen = int(flag(gateway["command"], "--listen").rsplit(":", 1)[1])
+    assert [published(p) for p in gateway["ports"]] == [("127.0.0.1", 8000, listen)]
+
+
 def test_start_order(services):
     assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
     store_deps = services["adapter-store"]["depends_on"]
     assert store_deps["minio-init"]["condition"] == "service_completed_successfully"
     worker_deps = services["inference-worker"]["depends_on"]
     assert worker_deps["adapter-store"]["condition"] == "service_healthy"
+    gateway_deps = services["openai-gateway"]["depends_on"]
+    assert gateway_deps["inference-worker"]["condition"] == "service_healthy"
 
 
-def test_a_worker_that_exits_after_an_engine_failure_is_restarted(services):
-    assert services["inference-worker"]["restart"] in ("always", "unless-stopped", "on-failure")
+@pytest.mark.parametrize("service", ["inference-worker", "openai-gateway"])
+def test_a_service_that_exits_is_restarted(services, service):
+    """The worker exits after an engine failure; the gateway on any crash."""
+    assert services[service]["restart"] in ("always", "unless-stopped", "on-failure")

@@ -1,6 +1,7 @@
 """deploy/k8s: every manifest valid against the Kubernetes API schema, and wired the way the pods
 rely on at run time: command lines the real parsers accept, probes on the ports the processes
-listen on, every Secret and ConfigMap they name present, nginx's upstreams naming every worker."""
+listen on, every Secret and ConfigMap they name present, nginx's upstreams naming every worker, the
+gateway reaching the router and the stores through Services that lead to them."""
 
 import argparse
 import re
@@ -14,6 +15,7 @@ import yaml
 
 from adapter_store.__main__ import build_parser as store_parser
 from inference_service.server.main import build_parser as worker_parser
+from openai_gateway.__main__ import parse_args as gateway_args
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
@@ -21,7 +23,17 @@ NGINX = REPO / "deploy" / "nginx"
 # The oldest version the manifests must work on: native sidecars (restartPolicy: Always on an init
 # container) are on by default from 1.29 and GA in 1.33.
 KUBERNETES_VERSION = "1.33"
-PARSERS = {"inference_service": worker_parser, "adapter_store": store_parser}
+
+
+class GatewayParser:
+    """openai_gateway builds its parser inside parse_args, which exits on an unknown flag itself."""
+
+    def parse_known_args(self, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+        return gateway_args(argv), []
+
+
+PARSERS = {"inference_service": worker_parser, "adapter_store": store_parser, "openai_gateway": GatewayParser}
+GRPC_PROGRAMS = ("adapter_store", "inference_service")
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
@@ -46,7 +58,7 @@ def containers(spec: dict) -> list[dict]:
 
 
 def loramux_containers() -> list[tuple[str, dict, argparse.Namespace]]:
-    """(program, container, parsed flags) of every container running one of our two programs."""
+    """(program, container, parsed flags) of every container running one of our programs."""
     found = []
     for spec in pod_specs():
         for c in containers(spec):
@@ -70,6 +82,15 @@ def parse(program: str, argv: list[str], container: dict) -> argparse.Namespace:
             pytest.fail(f"{program} in container {container['name']} rejects a value in {argv}")
     assert not unknown, f"{program} in container {container['name']} has no flags {unknown}"
     return args
+
+
+def grpc_containers() -> list[tuple[str, dict, argparse.Namespace]]:
+    """loramux_containers() of the worker and the store: gRPC, with a separate metrics port."""
+    return [found for found in loramux_containers() if found[0] in GRPC_PROGRAMS]
+
+
+def gateway() -> tuple[dict, argparse.Namespace]:
+    return next((c, args) for program, c, args in loramux_containers() if program == "openai_gateway")
 
 
 def port_of(address: str) -> int:
@@ -123,15 +144,15 @@ def test_kustomize_builds_the_router_config_from_deploy_nginx():
     assert {r["metadata"].get("namespace") for r in resources if r["kind"] != "Namespace"} == {"loramux"}
 
 
-def test_worker_and_store_command_lines_parse():
+def test_worker_store_and_gateway_command_lines_parse():
     """loramux_containers() parses each command line with its program's parser, failing on an
     unknown flag or a bad value."""
     programs = sorted(program for program, _, _ in loramux_containers())
-    assert programs == ["adapter_store", "inference_service"]
+    assert programs == ["adapter_store", "inference_service", "openai_gateway"]
 
 
 def test_probes_and_ports_are_where_the_processes_listen():
-    for program, c, args in loramux_containers():
+    for program, c, args in grpc_containers():
         listen, metrics = port_of(args.listen), port_of(args.metrics_listen)
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert c[probe]["grpc"]["port"] == listen, f"{program} {probe}"
@@ -166,9 +187,10 @@ def test_writable_paths_are_volumes():
     for program, c, args in loramux_containers():
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
-        writable = str(args.data_dir) if program == "adapter_store" else f"{cache}/adapters"
-        assert writable in mounts, f"{program} writes to {writable}"
         assert "/tmp" in mounts
+        if program in GRPC_PROGRAMS:  # the gateway keeps nothing on disk
+            writable = str(args.data_dir) if program == "adapter_store" else f"{cache}/adapters"
+            assert writable in mounts, f"{program} writes to {writable}"
 
 
 def test_every_secret_and_config_map_named_exists():
@@ -211,15 +233,16 @@ def test_every_service_reaches_a_named_container_port():
             assert [int(scraped)] == [ports[p["targetPort"]] for p in service["spec"]["ports"]]
 
 
-def test_metrics_services_scrape_both_processes():
-    metrics = {port_of(args.metrics_listen) for _, _, args in loramux_containers()}
+def test_metrics_services_scrape_every_process():
+    metrics = {port_of(args.metrics_listen) for _, _, args in grpc_containers()}
+    metrics.add(port_of(gateway()[1].listen))  # the gateway serves /metrics on its API port
     scraped = {
         int(r["metadata"]["annotations"]["prometheus.io/port"])
         for r in all_resources()
         if r["kind"] == "Service"
         and r["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"
     }
-    assert scraped == metrics == {9400, 9401}
+    assert scraped == metrics == {9400, 9401, 8000}
 
 
 def directives(path: Path) -> list[list[str]]:
@@ -246,3 +269,66 @@ def test_nginx_upstreams_name_every_worker_pod():
     for words in servers:
         assert set(words[2:]) == {"resolve", *shipped[2:]}, "failover as deploy/nginx/upstreams.conf has it"
     assert any(words[0] == "resolver" for words in ours), "`resolve` needs a resolver"
+
+
+def service_backend(address: str) -> tuple[dict, dict, int]:
+    """(pod template, container, container port) that the Service named by HOST:PORT sends to."""
+    host, port = address.rsplit(":", 1)
+    services = [r for r in all_resources() if r["kind"] == "Service" and r["metadata"]["name"] == host]
+    ports = [p["targetPort"] for s in services for p in s["spec"]["ports"] if p["port"] == int(port)]
+    if not ports:
+        pytest.fail(f"{address}: no Service {host} with port {port}")
+    service, target = services[0], ports[0]
+    selector = service["spec"]["selector"].items()
+    for r in all_resources():
+        template = r.get("spec", {}).get("template", {})
+        if selector <= template.get("metadata", {}).get("labels", {}).items():
+            for c in containers(template["spec"]):
+                if target in named_ports(c):
+                    return template, c, named_ports(c)[target]
+    pytest.fail(f"{address}: Service {host} reaches no container port {target}")
+
+
+def test_gateway_calls_the_workers_through_the_router():
+    """Through nginx, so that the SDK's x-loramux-adapter keeps each adapter on one worker."""
+    template, _, port = service_backend(gateway()[1].worker)
+    router = one("Deployment", "loramux-router")["spec"]["selector"]["matchLabels"]
+    assert router.items() <= template["metadata"]["labels"].items(), "not the router's pods"
+    assert f"listen {port}" in (NGINX / "listen.conf").read_text()
+
+
+def test_gateway_reaches_a_store_sidecar_of_the_shared_catalog():
+    _, store, port = service_backend(gateway()[1].store)
+    store_args = next(args for program, c, args in grpc_containers() if c == store)
+    assert port == port_of(store_args.listen) and store_args.catalog.startswith("s3://")
+
+
+def secret_of(container: dict, variable: str) -> tuple[str, str]:
+    env = next(e for e in container["env"] if e["name"] == variable)
+    ref = env["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def test_gateway_sends_the_tokens_the_store_and_workers_check():
+    c, args = gateway()
+    by_program = {program: container for program, container, _ in grpc_containers()}
+    assert args.admin_token and args.worker_token and args.api_key
+    admin = secret_of(c, "LORAMUX_ADMIN_TOKEN")
+    assert admin == secret_of(by_program["adapter_store"], "LORAMUX_ADMIN_TOKEN")
+    assert secret_of(c, "LORAMUX_API_TOKEN") == secret_of(
+        by_program["inference_service"], "LORAMUX_API_TOKEN"
+    )
+    assert secret_of(c, "LORAMUX_GATEWAY_API_KEY") not in (admin, secret_of(c, "LORAMUX_API_TOKEN"))
+
+
+def test_gateway_probes_and_service_are_where_it_listens():
+    c, args = gateway()
+    listen = port_of(args.listen)
+    assert args.listen.startswith("0.0.0.0:"), "kubelet probes come from outside the pod"
+    probes = {kind: c[kind]["httpGet"] for kind in ("readinessProbe", "livenessProbe")}
+    assert all(named_ports(c)[probe["port"]] == listen for probe in probes.values())
+    assert probes["readinessProbe"]["path"] == "/health"
+    # /health is 503 until the workers have loaded their model: not a reason to restart the gateway.
+    assert probes["livenessProbe"]["path"] != "/health"
+    assert one("Deployment", "loramux-gateway")["spec"]["replicas"] >= 2
+    assert service_backend("loramux-gateway:8000")[1] == c

@@ -1,14 +1,19 @@
-"""`make run`: the local stack. Starts an adapter store (local disk) and an inference worker on
-loopback, registers the demo adapters, streams base and adapter answers to the same questions
-concurrently through the SDK, then keeps serving until Ctrl-C."""
+"""`make run`: the local stack. Starts an adapter store (local disk), an inference worker and the
+OpenAI gateway on loopback, registers the demo adapters, streams base and adapter answers to the
+same questions concurrently through the SDK, then keeps serving until Ctrl-C."""
 
 import argparse
 import asyncio
+import importlib.util
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -29,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--store-port", type=int, default=50061)
     parser.add_argument("--worker-port", type=int, default=50051)
+    parser.add_argument("--gateway-port", type=int, default=8000, help="a free one if that is taken")
     args = parser.parse_args()
     cache = Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve()
     print(f"preparing the default model (SmolLM2-135M-Instruct) under {cache} ...", flush=True)
@@ -57,12 +63,15 @@ def main() -> None:
             "--max-loras",
             "4",
         ),
+        _spawn_gateway(args.gateway_port, worker_address, store_address),
     ]
     try:
         _wait_ready(store_address, "")
         _wait_ready(worker_address, "readiness")
+        gateway_address = _gateway_address(processes[-1])
+        _wait_http_ready(f"http://{gateway_address}/health")
         asyncio.run(_demo(store_address, worker_address))
-        _print_usage(store_address, worker_address)
+        _print_usage(store_address, worker_address, gateway_address)
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         signal.sigwait(STOP_SIGNALS)
     except KeyboardInterrupt:  # Ctrl-C before serving: the services' stop lines say enough
@@ -71,11 +80,35 @@ def main() -> None:
         _stop(processes)
 
 
-def _spawn(module: str, *args: str) -> subprocess.Popen:
-    """The services log to stderr; their stdout (one "listening on" line) is not needed here. Each
-    runs in its own process group, so a terminal's Ctrl-C reaches only this process, and _stop
-    stops them in order."""
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL, process_group=0)
+def _spawn(module: str, *args: str, stdout: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """The services log to stderr; their stdout (one "listening on" line) is not needed here but
+    for the gateway's. Each runs in its own process group, so a terminal's Ctrl-C reaches only this
+    process, and _stop stops them in order."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=stdout, text=True, process_group=0)
+
+
+def _spawn_gateway(port: int, worker: str, store: str) -> subprocess.Popen:
+    """The demo's store has no admin token, so neither does the gateway (both read one from the
+    environment alike). `port` when free, else one the gateway picks: 8000 is a common port."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway binds
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            port = 0
+    listen = f"127.0.0.1:{port}"
+    return _spawn(
+        "openai_gateway", "--listen", listen, "--worker", worker, "--store", store, stdout=subprocess.PIPE
+    )
+
+
+def _gateway_address(gateway: subprocess.Popen) -> str:
+    """HOST:PORT from the gateway's first stdout line, printed once it is bound."""
+    line = gateway.stdout.readline()
+    found = re.search(r"listening on (\S+)$", line.strip())
+    if found is None:
+        sys.exit("the openai gateway did not start; see the log above")
+    return found.group(1)
 
 
 def _wait_ready(address: str, service: str) -> None:
@@ -91,6 +124,17 @@ def _wait_ready(address: str, service: str) -> None:
                 pass  # not listening yet
             time.sleep(0.2)
     sys.exit(f"{address} did not become ready in {READY_TIMEOUT_S} s; see the log above")
+
+
+def _wait_http_ready(url: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:  # not listening yet, or 503 (an HTTPError) until it has reached the worker
+            time.sleep(0.2)
+    sys.exit(f"{url} did not answer 200 in {READY_TIMEOUT_S} s; see the log above")
 
 
 async def _demo(store: str, worker: str) -> None:
@@ -126,23 +170,37 @@ async def _answer(client: loramux.AsyncClient, question: str, adapter: str | Non
     return stream.result.text, first or 0.0
 
 
-def _print_usage(store: str, worker: str) -> None:
+def _print_usage(store: str, worker: str, gateway: str) -> None:
+    message = [{"role": "user", "content": "Name three fruits."}]
+    body = json.dumps({"model": "shouty", "messages": message, "max_tokens": 40})
+    client = f"OpenAI(base_url='http://{gateway}/v1', api_key='unused')"
+    create = f"chat.completions.create(model='pirate', messages={message!r}, max_tokens=40)"
+    # `openai` is the demo extra: `make run` installs it, a bare `pip install .` does not.
+    needs = (
+        ""
+        if importlib.util.find_spec("openai")
+        else "  (needs the openai client: .venv/bin/pip install openai)\n"
+    )
     print(
         f"""
-serving: worker {worker}, adapter store {store}. Try, in another terminal:
+serving: worker {worker}, adapter store {store}, OpenAI API http://{gateway}/v1. Try, in another terminal:
   .venv/bin/loramux --worker {worker} generate --chat --adapter shouty "Name three fruits."
   .venv/bin/loramux --store {store} adapters list
   .venv/bin/python -c "import loramux; c = loramux.Client(worker='{worker}'); print(c.complete('Hi').text)"
-Ctrl-C stops both services.""",
+  curl -s http://{gateway}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'
+{needs}  .venv/bin/python -c "from openai import OpenAI; print({client}.{create}.choices[0].message.content)"
+Ctrl-C stops the services.""",
         flush=True,
     )
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
-    """The worker first: it drains and ends its own watch of the store. A store stopped beside it
-    would cut that watch while streams drain, and the worker would warn of a lost store until done."""
+    """In reverse order of start. The gateway first: its open HTTP requests finish while the worker
+    still serves them. Then the worker: it drains and ends its own watch of the store. A store
+    stopped beside it would cut that watch while streams drain, and the worker would warn of a lost
+    store until done."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a second Ctrl-C must not orphan one
-    for process in reversed(processes):  # the worker, then the store
+    for process in reversed(processes):  # the gateway, the worker, then the store
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
         try:
