@@ -1,7 +1,6 @@
 """python -m openai_gateway: the OpenAI-compatible HTTP gateway in front of a worker and a store."""
 
 import argparse
-import asyncio
 import os
 import signal
 import socket
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     # clean, so it ends the process with 0 (as the worker's and store's stops do), not by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sys.exit(0))
-    asyncio.run(gateway.serve(sockets=[sock]))
+    gateway.run(sockets=[sock])  # on the event loop the config names (uvloop), as asyncio.run would not
 
 
 if __name__ == "__main__":
