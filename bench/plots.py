@@ -188,3 +188,19 @@ def prefix_cache(result: dict, path: Path) -> None:
     right.axhline(1.0, color="gray", linewidth=0.8)
     right.set_ylim(0.9, 1.05)
     save(fig, path)
+
+
+def http_overhead(result: dict, path: Path) -> None:
+    values = result["values"]
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    rates = {"SDK, direct": values["direct"]["tok/s"], "openai client,\ngateway": values["gateway"]["tok/s"]}
+    ratio = statistics.median(result["ratios"]["tok/s"])
+    bars_with_rounds(left, rates, "tok/s", f"32 concurrent streams: gateway / direct {ratio:.2f}")
+    ttft = {
+        "SDK, direct": [s * 1e3 for s in values["direct"]["ttft p50"]],
+        "openai client,\ngateway": [s * 1e3 for s in values["gateway"]["ttft p50"]],
+    }
+    added = statistics.median(result["differences"]["ttft p50 s"]) * 1e3
+    bars_with_rounds(right, ttft, "ms", f"time to first token p50: gateway adds {added:+.1f} ms")
+    save(fig, path)

@@ -19,6 +19,7 @@ from bench import (
     engine_overhead,
     grpc_serving,
     hf_peft,
+    http_serving,
     kv_pressure,
     many_adapters,
     prefix_cache,
@@ -79,6 +80,9 @@ BENCHMARKS = (
     Benchmark("lora_overhead", "LoRA overhead", lora_overhead, plots.lora_overhead, 3),
     Benchmark("hf_peft", "Against HF transformers + PEFT", hf_peft.hf_peft_vs_loramux, plots.hf_peft, 3),
     Benchmark("grpc_overhead", "gRPC overhead", grpc_overhead, plots.grpc_overhead, 5),
+    Benchmark(
+        "http_overhead", "HTTP gateway overhead", http_serving.gateway_vs_direct, plots.http_overhead, 5
+    ),
     Benchmark("adapter_loading", "Adapter loading", adapter_loading, plots.adapter_loading, 5),
     Benchmark("cold_starts", "Cold starts", cold_starts.cold_starts, plots.cold_starts, 3),
     Benchmark("many_adapters", "Many adapters", many_adapters.many_adapters, plots.many_adapters, 3),

@@ -100,6 +100,9 @@ def server(config: GatewayConfig) -> uvicorn.Server:
         loop="uvloop",
         log_level="warning",
         access_log=False,
+        # Idle connections stay open past uvicorn's 5 s, so bursty clients and a load balancer's
+        # pooled connections are not torn down and reopened between requests.
+        timeout_keep_alive=75,
         timeout_graceful_shutdown=config.drain_timeout_s,
         **tls,
     )
