@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_service.model.base_weight import QUANTIZATIONS
 from shared.dtypes import DTYPES
 from shared.errors import InvalidArgument
 
@@ -13,6 +14,9 @@ class EngineConfig:
     model: str  # HF model folder
     device: str = "cpu"
     dtype: str = "float32"
+    # Base weights of the linear layers: "none" (dense in dtype), "int8" (weight-only, a scale per
+    # row) or "nf4" (QLoRA's 4-bit NormalFloat), quantized as the checkpoint loads.
+    quantization: str = "none"
     max_loras: int = 4  # the default adapter memory holds this many adapters of max_lora_rank on every module
     max_lora_rank: int = 16
     adapter_memory: int = 0  # bytes of device memory for adapter pages (0: as max_loras says)
@@ -31,6 +35,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidArgument(
+                f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidArgument(f"device {self.device!r} is neither 'cpu' nor 'cuda[:N]'")
         positive = (

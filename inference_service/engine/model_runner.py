@@ -44,7 +44,12 @@ class ModelRunner:
         self.lora_units = adapter_memory_units(config, self.model_config)
         self._page_widths = [n * self.lora_unit for n in page_units(self.model_config)]  # [targets]
         self.model = LlamaModel(
-            self.model_config, self.lora_units, self.lora_unit, config.torch_dtype, self.device
+            self.model_config,
+            self.lora_units,
+            self.lora_unit,
+            config.torch_dtype,
+            self.device,
+            config.quantization,
         )
         load_weights(self.model, config.model)
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_service.model.base_weight import base_weight
 from kernels.lora_batch import LoraBatch
 from kernels.lora_bmm import lora_bmm
 from kernels.lora_expand import lora_expand_triton
@@ -12,6 +13,7 @@ from kernels.lora_shrink import lora_shrink_triton
 
 class LoRALinear(nn.Module):
     """y = x W^T + b, plus for each token and each slice s the product B_s A_s x of its adapter.
+    W is held in the `quantization` format of base_weight.py (dense, int8 or NF4).
 
     q/k/v (3 slices) and gate/up (2 slices) run as one base matmul; the adapters keep the slices
     apart, as targets first_target, first_target+1, ..., because an adapter may target some of
@@ -28,12 +30,12 @@ class LoRALinear(nn.Module):
         memory: tuple[torch.Tensor, int, int],  # (the layer's pool, unit, first_target)
         dtype: torch.dtype,
         device: torch.device | str,
+        quantization: str = "none",
     ):
         super().__init__()
         out_features = sum(slice_sizes)
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
-        )
+        self.in_features = in_features
+        self.base = base_weight(quantization, in_features, slice_sizes, dtype, device)
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -44,7 +46,7 @@ class LoRALinear(nn.Module):
         self.pool, self.unit, self.first_target = memory  # the pool is the model's: not a buffer here
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [tokens, out]
+        y = self.base(x, self.bias)  # [tokens, out]
         if lora is None:
             return y
         if lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing

@@ -26,7 +26,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device, quantization
+    ):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         kv = cfg.kv_size
@@ -37,9 +39,11 @@ class Attention(nn.Module):
             (pool, unit, first_target("qkv_proj")),
             dtype,
             device,
+            quantization,
         )
+        o_memory = (pool, unit, first_target("o_proj"))
         self.o_proj = LoRALinear(
-            cfg.q_size, (cfg.hidden_size,), cfg.o_bias, (pool, unit, first_target("o_proj")), dtype, device
+            cfg.q_size, (cfg.hidden_size,), cfg.o_bias, o_memory, dtype, device, quantization
         )
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
@@ -54,7 +58,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, dtype, device, quantization):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = LoRALinear(
@@ -64,9 +68,11 @@ class MLP(nn.Module):
             (pool, unit, first_target("gate_up_proj")),
             dtype,
             device,
+            quantization,
         )
+        down_memory = (pool, unit, first_target("down_proj"))
         self.down_proj = LoRALinear(
-            inter, (cfg.hidden_size,), cfg.mlp_bias, (pool, unit, first_target("down_proj")), dtype, device
+            inter, (cfg.hidden_size,), cfg.mlp_bias, down_memory, dtype, device, quantization
         )
 
     def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
@@ -75,12 +81,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device, quantization
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, layer, pool, unit, dtype, device)
+        self.self_attn = Attention(cfg, layer, pool, unit, dtype, device, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, pool, unit, dtype, device)
+        self.mlp = MLP(cfg, pool, unit, dtype, device, quantization)
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
@@ -89,6 +97,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Weights are allocated empty; `inference_service.model.weights.load_weights` fills them.
+    The linear layers' base weights are held in the `quantization` format (base_weight.py);
+    embeddings, norms and lm_head stay dense in `dtype`.
     Adapter memory is `lora_units` units of `lora_unit` elements in every layer (zeros; the
     engine copies adapters in): lora_pool [layers, units*unit]."""
 
@@ -99,6 +109,7 @@ class LlamaModel(nn.Module):
         lora_unit: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        quantization: str = "none",
     ):
         super().__init__()
         self.cfg = cfg
@@ -110,7 +121,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.lora_pool[i], lora_unit, dtype, device) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, self.lora_pool[i], lora_unit, dtype, device, quantization)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (

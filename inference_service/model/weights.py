@@ -2,10 +2,12 @@
 q/k/v and gate/up into their fused matmuls."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from inference_service.model.model import LlamaModel
 from shared.errors import InvalidArgument
@@ -49,8 +51,20 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _targets(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the tensor (or row range of a packed tensor) it loads into."""
+@dataclass(frozen=True)
+class Rows:
+    """Rows offset .. offset + shape[0] of a fused linear layer's base weight, in its format."""
+
+    base: nn.Module
+    offset: int
+    shape: tuple[int, int]
+
+    def copy_(self, src: torch.Tensor) -> None:
+        self.base.load_rows(self.offset, src)
+
+
+def _targets(model: LlamaModel) -> dict[str, torch.Tensor | Rows]:
+    """HF tensor name -> the tensor (or rows of a fused base weight) it loads into."""
     cfg = model.cfg
     targets = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
     if not cfg.tie_word_embeddings:
@@ -63,14 +77,14 @@ def _targets(model: LlamaModel) -> dict[str, torch.Tensor]:
             packed = getattr(getattr(layer, MODULE_PARENTS[name]), shape.packed)
             offset, size = packed.slices[shape.slice_index]
             base = f"{prefix}.{MODULE_PARENTS[name]}.{name}"
-            targets[f"{base}.weight"] = packed.weight[offset : offset + size]
+            targets[f"{base}.weight"] = Rows(packed.base, offset, (size, packed.in_features))
             if packed.bias is not None:
                 targets[f"{base}.bias"] = packed.bias[offset : offset + size]
     return targets
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
+def _copy(dst: torch.Tensor | Rows, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
         raise InvalidArgument(
             f"tensor {name} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}"
         )

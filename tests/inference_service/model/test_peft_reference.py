@@ -33,10 +33,14 @@ DECODE_STEPS = 4
 
 
 def _peft_model(model_dir, adapter_dirs, dtype: torch.dtype):
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return _with_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), adapter_dirs)
+
+
+def _with_adapters(base, adapter_dirs):
+    from peft import PeftModel
+
     names = list(adapter_dirs)
     model = PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -45,10 +49,10 @@ def _peft_model(model_dir, adapter_dirs, dtype: torch.dtype):
 
 
 class Peft:
-    """transformers + PEFT holding every adapter, in fp32 and in float64."""
+    """transformers + PEFT holding every adapter, in fp32 and in float64 (or given models)."""
 
-    def __init__(self, model_dir, adapter_dirs):
-        self.models = [
+    def __init__(self, model_dir, adapter_dirs, models=None):
+        self.models = models or [
             _peft_model(model_dir, adapter_dirs, dtype) for dtype in (torch.float32, torch.float64)
         ]
 
@@ -72,13 +76,16 @@ def _image(runner: ModelRunner, name: str, path) -> AdapterImage:
     return AdapterImage.of(weights, runner.model_config, torch.float32)
 
 
-def _runner(model_dir, adapter_dirs) -> tuple[ModelRunner, dict[str, int], AdapterMemory]:
+def _runner(
+    model_dir, adapter_dirs, quantization="none"
+) -> tuple[ModelRunner, dict[str, int], AdapterMemory]:
     """Every adapter loaded into pages of adapter memory, placed by AdapterMemory as the engine
     places them: a memory filled by the first ones' pages and freed in between, so later
     adapters' pages land out of order and apart."""
     runner = ModelRunner(
         EngineConfig(
             model=str(model_dir),
+            quantization=quantization,
             max_loras=len(adapter_dirs),
             max_lora_rank=16,
             kv_cache_tokens=512,

@@ -1,0 +1,97 @@
+"""The base weight of a linear layer, in one of three formats: dense, int8 weight-only (a scale
+per output row) or NF4 (blocks of 64 values with an fp32 absmax each). LoRALinear computes its base
+output through one of these, then adds the LoRA delta in the activations' dtype; LoRA is never
+merged into a quantized weight.
+
+Each format takes the checkpoint's rows slice by slice (q, k and v into one fused weight), so a
+fused weight holds exactly what the separate layers of the reference would.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.int8_linear import int8_linear, quantize_int8_rows
+from kernels.nf4_linear import BLOCK, nf4_linear, quantize_nf4
+from shared.errors import InvalidArgument
+
+QUANTIZATIONS = ("none", "int8", "nf4")
+
+
+class DenseWeight(nn.Module):
+    def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
+
+    def load_rows(self, offset: int, rows: torch.Tensor) -> None:
+        self.weight[offset : offset + rows.shape[0]].copy_(rows)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)  # [tokens, out]
+
+
+class Int8Weight(nn.Module):
+    """torchao's Int8WeightOnlyConfig: rows quantized symmetrically to int8, one fp32 scale each."""
+
+    def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
+        super().__init__()
+        self.register_buffer("q", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.zeros(out_features, dtype=torch.float32, device=device))
+
+    def load_rows(self, offset: int, rows: torch.Tensor) -> None:
+        q, scale = quantize_int8_rows(rows.to(self.q.device))
+        self.q[offset : offset + rows.shape[0]] = q
+        self.scale[offset : offset + rows.shape[0]] = scale
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int8_linear(x, self.q, self.scale, bias)  # [tokens, out]
+
+
+class Nf4Weight(nn.Module):
+    """bitsandbytes' NF4 (without double quantization: the absmax stays fp32). Each slice is
+    quantized alone, as the reference's separate layers are, so its blocks must not straddle the
+    next slice: every slice's size times in_features is a multiple of 64."""
+
+    def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
+        super().__init__()
+        for size in slice_sizes:
+            if size * in_features % BLOCK:
+                raise InvalidArgument(
+                    f"NF4 needs every weight's element count to be a multiple of {BLOCK}; "
+                    f"a [{size}, {in_features}] weight is not"
+                )
+        self.in_features, self.out_features = in_features, out_features
+        n = out_features * in_features
+        self.register_buffer("packed", torch.zeros(n // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("absmax", torch.zeros(n // BLOCK, dtype=torch.float32, device=device))
+
+    def load_rows(self, offset: int, rows: torch.Tensor) -> None:
+        packed, absmax = quantize_nf4(rows.to(self.packed.device))
+        start = offset * self.in_features
+        self.packed[start // 2 : start // 2 + packed.numel()] = packed
+        self.absmax[start // BLOCK : start // BLOCK + absmax.numel()] = absmax
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return nf4_linear(x, self.packed, self.absmax, self.out_features, bias)  # [tokens, out]
+
+
+FORMATS = {"none": DenseWeight, "int8": Int8Weight, "nf4": Nf4Weight}
+
+
+def base_weight(
+    quantization: str, in_features: int, slice_sizes: tuple[int, ...], dtype, device
+) -> DenseWeight | Int8Weight | Nf4Weight:
+    if quantization not in FORMATS:
+        raise InvalidArgument(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    return FORMATS[quantization](sum(slice_sizes), in_features, slice_sizes, dtype, device)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes the base weights of every linear layer under `module` hold, in whatever format."""
+    formats = tuple(FORMATS.values())
+    return sum(
+        t.numel() * t.element_size()
+        for m in module.modules()
+        if isinstance(m, formats)
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    )

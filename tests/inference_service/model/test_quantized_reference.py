@@ -1,0 +1,146 @@
+"""LoRA on a quantized base, against transformers + PEFT holding the same quantized weights: torchao's
+int8 weight-only and bitsandbytes' NF4 linear layers under PEFT's LoRA, the adapters mixed in one
+batch with requests on the base model. The float64 yardstick is PEFT over the dequantized weights
+in float64 (exact: every dequantized value is an fp32 number), so the bound is what fp32 costs."""
+
+import pytest
+import torch
+from torch import nn
+
+from inference_service.engine.block_manager import BlockManager
+from inference_service.model.forward_batch import SequenceInput
+from kernels.int8_linear import dequantize_int8_rows, quantize_int8_rows
+from kernels.nf4_linear import dequantize_nf4, quantize_nf4
+from tests.conftest import TINY_ADAPTERS, build_peft_adapter, build_tiny_model
+from tests.fp32_agreement import assert_fp32_agrees
+
+from .test_peft_reference import DECODE_STEPS, ROWS, Peft, _runner, _with_adapters
+
+# PEFT notes that a layer it did not quantize itself cannot merge; nothing here merges.
+pytestmark = pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated:UserWarning")
+torchao = pytest.importorskip("torchao")
+bnb = pytest.importorskip("bitsandbytes")
+
+
+def _int8_reference(linear: nn.Linear) -> nn.Linear:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(linear, Int8WeightOnlyConfig(set_inductor_config=False))
+    return linear
+
+
+def _nf4_reference(linear: nn.Linear) -> nn.Module:
+    """bitsandbytes' own layer; its CPU path for AVX-512 bf16 machines is a fused kernel that
+    differs from dequantize-then-matmul by ~3e-3, so it is turned off to compare the math."""
+    quantized = bnb.nn.Linear4bit(
+        linear.in_features, linear.out_features, linear.bias is not None, torch.float32,
+        compress_statistics=False, quant_type="nf4",
+    )  # fmt: skip
+    quantized.weight = bnb.nn.Params4bit(
+        linear.weight.data, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=False
+    )
+    if linear.bias is not None:
+        quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    quantized = quantized.to("cpu")
+    quantized.support_avx512bf16_for_cpu = False
+    return quantized
+
+
+def _dequantized(weight: torch.Tensor, quantization: str) -> torch.Tensor:
+    """The weight the quantized layer computes with, in float64 (our quantizers equal the
+    references' bit for bit: tests/kernels/test_int8_linear.py, test_nf4_linear.py)."""
+    if quantization == "int8":
+        return dequantize_int8_rows(*quantize_int8_rows(weight), torch.float64)
+    return dequantize_nf4(*quantize_nf4(weight), tuple(weight.shape), torch.float64)
+
+
+REFERENCES = {"int8": _int8_reference, "nf4": _nf4_reference}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple]:
+    """Tiny Llama and Qwen2 whose every weight row is whole NF4 blocks (intermediate 128, not 96):
+    bitsandbytes' CPU dequantize reads a block that straddles two rows differently from the blocks
+    its quantize wrote (0.005 off; our NF4 follows the format, as bitsandbytes' default op does), so
+    the reference is only itself on such shapes. model type -> (folder, adapter name -> folder)."""
+    root = tmp_path_factory.mktemp("quantized")
+    built = {}
+    for model_type in ("llama", "qwen2"):
+        folder = build_tiny_model(root / model_type, model_type, intermediate_size=128)
+        adapters = {
+            name: build_peft_adapter(folder, root / f"{model_type}-{name}", seed=i + 1, **lora)
+            for i, (name, lora) in enumerate(TINY_ADAPTERS.items())
+        }
+        built[model_type] = (folder, adapters)
+    return built
+
+
+def _replace_linears(model: nn.Module, replace) -> None:
+    """Every linear layer of the decoder (not lm_head) through `replace`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                setattr(parent, name, replace(child))
+
+
+def _quantized_peft(model_dir, adapter_dirs, quantization: str) -> Peft:
+    from transformers import AutoModelForCausalLM
+
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _replace_linears(fp32, REFERENCES[quantization])
+    fp64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def dequantized(linear: nn.Linear) -> nn.Linear:
+        linear.weight.data = _dequantized(linear.weight.data, quantization).float()
+        return linear
+
+    _replace_linears(fp64, dequantized)
+    fp64 = fp64.to(torch.float64)  # fp32 dequantized values, now exact in float64
+    return Peft(model_dir, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in (fp32, fp64)])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_mixed_batch_on_a_quantized_base_matches_peft(model_type, quantization, models):
+    model_dir, adapter_dirs = models[model_type]
+    reference = _quantized_peft(model_dir, adapter_dirs, quantization)
+    runner, slots, _ = _runner(model_dir, adapter_dirs, quantization)
+    blocks = BlockManager(runner.num_blocks)
+    gen = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
+    adapters = [a for a, _ in ROWS]
+    tables = [blocks.allocate(-(-(n + DECODE_STEPS) // 4)) for _, n in ROWS]
+    slot_of = [-1 if a is None else slots[a] for a in adapters]
+
+    logits = runner.forward(
+        [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
+        all_logits=True,
+    )
+    expected, exact = reference.logits(sequences, adapters)
+    assert_fp32_agrees(logits, torch.cat(expected), torch.cat(exact))
+    for _ in range(DECODE_STEPS):
+        last = torch.stack([e[-1] for e in expected])  # [rows, vocab]
+        next_ids = last.argmax(dim=-1).tolist()
+        decode = [
+            SequenceInput([tok], len(s), t, slot)
+            for tok, s, t, slot in zip(next_ids, sequences, tables, slot_of, strict=True)
+        ]
+        logits = runner.forward(decode)
+        sequences = [[*s, tok] for s, tok in zip(sequences, next_ids, strict=True)]
+        expected, exact = reference.logits(sequences, adapters)
+        assert_fp32_agrees(
+            logits, torch.stack([e[-1] for e in expected]), torch.stack([e[-1] for e in exact])
+        )
+        assert logits.argmax(dim=-1).tolist() == [int(e[-1].argmax()) for e in expected]  # greedy tokens
+
+
+def test_quantized_bases_differ_from_the_dense_one_and_from_each_other(models):
+    """Guards the test above against a quantization that does nothing."""
+    prompt = [5, 6, 7, 8, 9]
+    outputs = {}
+    for quantization in ("none", "int8", "nf4"):
+        runner, slots, _ = _runner(*models["llama"], quantization)
+        table = BlockManager(runner.num_blocks).allocate(2)
+        outputs[quantization] = runner.forward([SequenceInput(prompt, 0, table, slots["all8"])])
+    assert (outputs["int8"] - outputs["none"]).abs().max() > 1e-4
+    assert (outputs["nf4"] - outputs["none"]).abs().max() > (outputs["int8"] - outputs["none"]).abs().max()
