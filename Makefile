@@ -3,6 +3,8 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 CACHE ?= $(CURDIR)/.cache
+# `make run QUANTIZATION=nf4` (or int8): the demo's worker quantizes its base weights as they load.
+QUANTIZATION ?= none
 
 PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 
@@ -10,7 +12,7 @@ PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 
 # The demo prints an example that runs the official openai client; the gateway itself needs none of it.
 run: .venv/.runtime .venv/.demo shared/pb/.built
-	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo.demo
+	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo.demo --quantization $(QUANTIZATION)
 
 test: .venv/.test shared/pb/.built nginx
 	$(PY) -m ruff check .

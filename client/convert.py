@@ -187,6 +187,8 @@ def model_info(message: inference_pb.ModelInfo) -> ModelInfo:
         vocab_size=message.vocab_size,
         max_model_len=message.max_model_len,
         dtype=message.dtype,
+        quantization=message.quantization,
+        linear_weight_bytes=message.linear_weight_bytes,
         device=message.device,
         max_loras=message.max_loras,
         max_lora_rank=message.max_lora_rank,

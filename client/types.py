@@ -90,3 +90,5 @@ class ModelInfo:
     max_cpu_loras: int
     eos_token_ids: list[int]
     has_chat_template: bool
+    quantization: str = "none"  # the linear layers' base weights: "none", "int8" or "nf4"
+    linear_weight_bytes: int = 0  # what those weights take, in their format

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--store-port", type=int, default=50061)
     parser.add_argument("--worker-port", type=int, default=50051)
     parser.add_argument("--gateway-port", type=int, default=8000, help="a free one if that is taken")
+    parser.add_argument("--quantization", default="none", help="the worker's linear weights: int8, nf4")
     args = parser.parse_args()
     cache = Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve()
     print(f"preparing the default model (SmolLM2-135M-Instruct) under {cache} ...", flush=True)
@@ -62,6 +63,8 @@ def main() -> None:
             str(model),
             "--max-loras",
             "4",
+            "--quantization",
+            args.quantization,
         ),
         _spawn_gateway(args.gateway_port, worker_address, store_address),
     ]

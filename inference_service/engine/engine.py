@@ -243,6 +243,11 @@ class Engine:
         return self.runner.model_config
 
     @property
+    def linear_weight_bytes(self) -> int:
+        """Bytes the linear layers' base weights take, in their format (config.quantization)."""
+        return self.runner.linear_weight_bytes
+
+    @property
     def max_model_len(self) -> int:
         """The most tokens (prompt plus output) one request may hold: the worker's limit or the model's."""
         return self.runner.max_model_len

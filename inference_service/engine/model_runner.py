@@ -17,6 +17,7 @@ from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
+from inference_service.model.base_weight import weight_bytes
 from inference_service.model.decode_buffers import DecodeBuffers
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
@@ -52,6 +53,7 @@ class ModelRunner:
             config.quantization,
         )
         load_weights(self.model, config.model)
+        self.linear_weight_bytes = weight_bytes(self.model)
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to

@@ -144,6 +144,8 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         vocab_size=model.vocab_size,
         max_model_len=engine.max_model_len,
         dtype=config.dtype,
+        quantization=config.quantization,
+        linear_weight_bytes=engine.linear_weight_bytes,
         device=config.device,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,

@@ -2,8 +2,8 @@
 WorkerConfig, then serve.
 
 python -m inference_service --listen HOST:PORT --store HOST:PORT --model DIR [--device cpu|cuda]
-[--dtype float32|bfloat16|float16] [--max-loras N] [--max-lora-rank R] [--adapter-memory BYTES]
-[--max-cpu-loras M]"""
+[--dtype float32|bfloat16|float16] [--quantization none|int8|nf4] [--max-loras N] [--max-lora-rank R]
+[--adapter-memory BYTES] [--max-cpu-loras M]"""
 
 import argparse
 import logging
@@ -16,6 +16,7 @@ import uvloop
 from inference_service.adapters.blob_fetch import FetchLimits
 from inference_service.default_model import prepare_default_model
 from inference_service.engine.config import EngineConfig
+from inference_service.model.base_weight import QUANTIZATIONS
 from inference_service.server.server import serve
 from inference_service.server.worker_config import DEFAULT_MAX_MESSAGE_BYTES, WorkerConfig
 from shared.dtypes import DTYPES
@@ -33,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="HF model folder (default: SmolLM2-135M-Instruct under $LORAMUX_CACHE)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="the linear layers' base weights, quantized as they load: int8 (weight-only) or nf4 (QLoRA's)",
+    )
     p.add_argument(
         "--max-loras",
         type=int,
@@ -135,6 +142,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         model=model,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         adapter_memory=args.adapter_memory,
