@@ -140,6 +140,16 @@ def rank_padding(result: dict, path: Path) -> None:
     save(fig, path)
 
 
+def quantized(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
+    names = {"none": "fp32 (dense)", "int8": "int8", "nf4": "NF4"}
+    ratios = {names[q]: values for q, values in result["ratios"].items()}
+    bars_with_rounds(ax, ratios, "decode tok/s, ratio to fp32", "quantized base weights on the CPU")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    save(fig, path)
+
+
 def hf_peft(result: dict, path: Path) -> None:
     values = result["values"]
     fig = Figure(figsize=(6.4, 3.6))

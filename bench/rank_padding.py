@@ -60,7 +60,7 @@ class DecodeCase:
 
 
 def build_runner(
-    model_dir: Path, max_rank: int, adapter_dirs: list[Path], steps: int
+    model_dir: Path, max_rank: int, adapter_dirs: list[Path], steps: int, quantization: str = "none"
 ) -> tuple[ModelRunner, list[int]]:
     """A runner whose KV cache holds two cases of `steps` decode steps (base and adapters), and
     the slots of the adapters (adapter_dirs order), placed in its adapter memory as the engine
@@ -68,6 +68,7 @@ def build_runner(
     runner = ModelRunner(
         EngineConfig(
             model=str(model_dir),
+            quantization=quantization,
             max_loras=ADAPTERS,
             max_lora_rank=max_rank,
             max_model_len=CONTEXT + steps + 16,

@@ -23,6 +23,7 @@ from bench import (
     kv_pressure,
     many_adapters,
     prefix_cache,
+    quantized,
     rank_padding,
     scaling,
     slot_activation,
@@ -90,6 +91,7 @@ BENCHMARKS = (
     Benchmark("scaling", "Scaling", scaling.scaling, plots.scaling, 1),
     Benchmark("kv_pressure", "KV memory under pressure", kv_pressure.kv_pressure, plots.kv_pressure, 2),
     Benchmark("prefix_cache", "Prefix cache", prefix_cache.prefix_cache, plots.prefix_cache, 3),
+    Benchmark("quantized", "Quantized base weights", quantized.quantized, plots.quantized, 3),
 )
 
 

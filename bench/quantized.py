@@ -1,0 +1,118 @@
+"""What quantized base weights cost in speed on the CPU, beside what they save in memory: decode
+steps of the default model, 32 sequences over 8 distinct random rank-16 all-linear adapters, with
+the linear layers dense (fp32), int8 weight-only and NF4. On the CPU both formats dequantize (NF4)
+or cast (int8) their weights at every step before the same fp32 matmul, so they are expected to be
+slower there: no speed-up is claimed; the figure says how much slower. The variants step in turn,
+the order rotating (as bench.rank_padding); medians of per-round ratios.
+
+    .venv/bin/python -m bench.quantized [--repeats 3] [--steps 20]
+"""
+
+import argparse
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.cache import default_model_dir
+from bench.random_adapter import write_random_adapter
+from bench.rank_padding import WARMUP_STEPS, DecodeCase, build_runner
+from bench.report import markdown_table
+from inference_service.engine.block_manager import BlockManager
+from shared.model_config import ModelConfig
+
+SEQUENCES, ADAPTERS, RANK = 32, 8, 16
+FORMATS = ("none", "int8", "nf4")
+STEPS = 20
+
+
+def quantized(
+    model_dir: Path, repeats: int = 3, progress: Callable[[str], None] = lambda line: None, steps: int = STEPS
+) -> dict:
+    total = WARMUP_STEPS + repeats * steps
+    with tempfile.TemporaryDirectory() as tmp:
+        config = ModelConfig.from_dir(model_dir)
+        adapter_dirs = [
+            write_random_adapter(config, Path(tmp) / f"a{i}", RANK, seed=i) for i in range(ADAPTERS)
+        ]
+        built = {q: build_runner(model_dir, RANK, adapter_dirs, total, q) for q in FORMATS}
+    with torch.inference_mode():
+        cases = {
+            q: DecodeCase(
+                runner,
+                BlockManager(runner.num_blocks),
+                sorted(slots[i % ADAPTERS] for i in range(SEQUENCES)),
+                total,
+            )
+            for q, (runner, slots) in built.items()
+        }
+        rounds: dict[str, list[float]] = {q: [] for q in FORMATS}  # median seconds per step
+        for repeat in range(repeats + 1):
+            times: dict[str, list[float]] = {q: [] for q in FORMATS}
+            for step in range(WARMUP_STEPS if repeat == 0 else steps):
+                for q in FORMATS[step % len(FORMATS) :] + FORMATS[: step % len(FORMATS)]:
+                    times[q].append(cases[q].step())
+            if repeat:
+                medians = {q: statistics.median(t) for q, t in times.items()}
+                progress(f"round {repeat}: " + ", ".join(f"{q} {s * 1e3:.1f} ms" for q, s in medians.items()))
+                for q, seconds in medians.items():
+                    rounds[q].append(seconds)
+    weight_bytes = {q: runner.linear_weight_bytes for q, (runner, _) in built.items()}
+    return summary(rounds, weight_bytes, repeats, steps)
+
+
+def summary(rounds: dict[str, list[float]], weight_bytes: dict[str, int], repeats: int, steps: int) -> dict:
+    def ratios(q: str) -> list[float]:
+        return [dense / s for dense, s in zip(rounds["none"], rounds[q], strict=True)]
+
+    table = []
+    for q, seconds in rounds.items():
+        step, per_round = statistics.median(seconds), ratios(q)
+        table.append(
+            {
+                "linear weights": "fp32 (dense)" if q == "none" else q,
+                "MB": round(weight_bytes[q] / 2**20, 1),
+                "bytes vs fp32": round(weight_bytes[q] / weight_bytes["none"], 4),
+                "ms / step": round(step * 1e3, 1),
+                "tok/s": round(SEQUENCES / step, 1),
+                "tok/s vs fp32": round(statistics.median(per_round), 3),
+                "rounds min..max": f"{min(per_round):.3f} .. {max(per_round):.3f}",
+            }
+        )
+    return {
+        "setup": setup(repeats, steps),
+        "table": table,
+        "rounds": rounds,
+        "ratios": {q: ratios(q) for q in rounds},
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def setup(repeats: int, steps: int) -> str:
+    return (
+        f"Default model on the CPU, float32 activations: one decode step of {SEQUENCES} sequences over "
+        f"{ADAPTERS} distinct random rank-{RANK} all-linear adapters (grouped by adapter, as the engine "
+        f"orders a batch), the linear layers' base weights dense, int8 weight-only or NF4 (quantized "
+        f"as they load). The variants take one step each in turn, the order rotating, after "
+        f"{WARMUP_STEPS} dropped steps each; medians of {repeats} rounds of {steps} steps per variant, "
+        f"ratios the medians of per-round ratios. No speed-up is expected on a CPU: int8 casts and NF4 "
+        f"dequantizes its weights at every step before the fp32 matmul"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    result = quantized(default_model_dir(), args.repeats, print, args.steps)
+    print(result["setup"] + f"; torch threads {result['torch_threads']}.")
+    print(markdown_table(result["table"]))
+
+
+if __name__ == "__main__":
+    main()
