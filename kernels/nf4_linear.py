@@ -5,8 +5,13 @@ activations' dtype, as bitsandbytes' CPU path does."""
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.triton_dot import dot, dot_in_fp32
 
 BLOCK = 64
+TILE_M, TILE_N, TILE_K = 16, 64, 64
 # The 16 NF4 values: quantiles of N(0, 1) normalized to [-1, 1] with an exact 0 (Dettmers et al.,
 # QLoRA, 2023, appendix E), as float32.
 NF4_CODE = (
@@ -66,3 +71,54 @@ def dequantize_nested_absmax(
     values = code_map.float()[codes.long()]  # [blocks]
     per_block = scales.float().repeat_interleave(block)[: values.numel()]  # [blocks]
     return values * per_block + offset
+
+
+def nf4_linear_triton(
+    x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """nf4_linear's semantics in one launch, never materializing the weight: a program per
+    [TILE_M, TILE_N] tile of y reads the packed codes of each [TILE_N, TILE_K] weight tile, looks
+    them up in the 16-value table, multiplies by their block's absmax in fp32 and rounds to x's
+    dtype (the dequantized weight the reference multiplies), then accumulates in fp32.
+
+    x: [tokens, in]; packed: [out * in / 2] uint8; absmax: [out * in / 64] -> [tokens, out]."""
+    tokens, in_features = x.shape
+    assert x.stride(1) == 1 and packed.is_contiguous() and absmax.is_contiguous()
+    y = torch.empty(tokens, out_features, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(tokens, TILE_M), triton.cdiv(out_features, TILE_N))
+    _nf4_kernel[grid](
+        x, packed, absmax, nf4_code(x.device), bias if bias is not None else absmax, y,
+        tokens, out_features, in_features, x.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        QBLOCK=BLOCK, BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=TILE_K, DOT_FP32=dot_in_fp32(),
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _nf4_kernel(
+    x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, y_ptr, tokens, out_features, in_features,
+    x_stride, y_stride, HAS_BIAS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [K]
+        x = tl.load(
+            x_ptr + rows[:, None] * x_stride + ks[None, :],
+            mask=(rows[:, None] < tokens) & (ks[None, :] < in_features),
+            other=0.0,
+        )  # [M, K]
+        inside = (cols[None, :] < out_features) & (ks[:, None] < in_features)  # [K, N]
+        element = cols[None, :].to(tl.int64) * in_features + ks[:, None]  # [K, N]: index in the flat weight
+        byte = tl.load(packed_ptr + element // 2, mask=inside, other=0).to(tl.int32)
+        nibble = tl.where(element % 2 == 0, byte >> 4, byte & 15)  # the first value is the high nibble
+        value = tl.load(code_ptr + nibble, mask=inside, other=0.0)  # [K, N] fp32
+        scale = tl.load(absmax_ptr + element // QBLOCK, mask=inside, other=0.0)
+        acc += dot(x, (value * scale).to(x.dtype), DOT_FP32)
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cols < out_features, other=0.0).to(tl.float32)[None, :]
+    mask = (rows[:, None] < tokens) & (cols[None, :] < out_features)
+    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.int8_linear import int8_linear, quantize_int8_rows
-from kernels.nf4_linear import BLOCK, nf4_linear, quantize_nf4
+from kernels.int8_linear import int8_linear, int8_linear_triton, quantize_int8_rows
+from kernels.nf4_linear import BLOCK, nf4_linear, nf4_linear_triton, quantize_nf4
 from shared.errors import InvalidArgument
 
 QUANTIZATIONS = ("none", "int8", "nf4")
@@ -44,6 +44,8 @@ class Int8Weight(nn.Module):
         self.scale[offset : offset + rows.shape[0]] = scale
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:  # one launch, the int8 tiles cast as they load
+            return int8_linear_triton(x, self.q, self.scale, bias)  # [tokens, out]
         return int8_linear(x, self.q, self.scale, bias)  # [tokens, out]
 
 
@@ -72,6 +74,8 @@ class Nf4Weight(nn.Module):
         self.absmax[start // BLOCK : start // BLOCK + absmax.numel()] = absmax
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:  # one launch, dequantizing each weight tile as it loads
+            return nf4_linear_triton(x, self.packed, self.absmax, self.out_features, bias)  # [tokens, out]
         return nf4_linear(x, self.packed, self.absmax, self.out_features, bias)  # [tokens, out]
 
 

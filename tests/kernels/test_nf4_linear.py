@@ -10,8 +10,10 @@ from kernels.nf4_linear import (
     dequantize_nested_absmax,
     dequantize_nf4,
     nf4_linear,
+    nf4_linear_triton,
     quantize_nf4,
 )
+from tests.kernels.rounding import assert_within, cast_error, fp32_error, gamma
 
 bnb = pytest.importorskip("bitsandbytes.functional")
 
@@ -69,3 +71,46 @@ def test_each_value_is_the_nearest_code_times_its_blocks_absmax():
     candidates = code[None, None, :] * absmax[:, None, None]  # [blocks, 1, 16]
     best = (candidates - blocks[..., None]).abs().amin(dim=-1)  # [blocks, 64]
     assert torch.allclose((dequantized - blocks).abs(), best, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("tokens", "in_features", "out_features"), [(1, 64, 32), (5, 96, 80), (19, 192, 130)]
+)
+def test_triton_kernel_is_within_its_rounding_bound(dtype, bias, tokens, in_features, out_features):
+    """Masked tails in every dimension, and blocks of 64 that straddle weight rows (in 96)."""
+    torch.manual_seed(in_features)
+    packed, absmax = quantize_nf4(weight_of(out_features, in_features, torch.float32))
+    x = torch.randn(tokens, in_features).to(dtype)
+    b = torch.randn(out_features).to(dtype) if bias else None
+
+    got = nf4_linear_triton(x, packed, absmax, out_features, b)
+
+    index = torch.stack((packed >> 4, packed & 0xF), dim=1).reshape(-1, BLOCK).long()
+    weight = (torch.tensor(NF4_CODE, dtype=torch.float64)[index] * absmax.double()[:, None]).reshape(
+        out_features, in_features
+    )  # exact
+    terms, size = x.double() @ weight.T, x.double().abs() @ weight.abs().T
+    if b is not None:
+        terms, size = terms + b.double(), size + b.double().abs()
+    # per term: the dequantized value and its cast, its product, in_features - 1 additions, the
+    # bias, the cast of the result
+    narrow = 2 * cast_error(dtype) if dtype != torch.float32 else 0
+    s = (in_features + 2) * fp32_error(x.device) + narrow
+    assert got.dtype == dtype
+    assert_within(got, terms, gamma(s) * size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernel_at_a_3b_models_shape_on_a_gpu(dtype):
+    """Compiled, at Llama-3.2-3B's MLP width (3072 -> 8192), within the same derived bound."""
+    torch.manual_seed(0)
+    packed, absmax = quantize_nf4(torch.randn(8192, 3072, device="cuda") * 0.02)
+    x = torch.randn(64, 3072, device="cuda").to(dtype)
+    got = nf4_linear_triton(x, packed, absmax, 8192, None)
+    weight = dequantize_nf4(packed, absmax, (8192, 3072), torch.float64)
+    exact, size = x.double() @ weight.T, x.double().abs() @ weight.abs().T
+    s = 3074 * fp32_error(x.device) + (2 * cast_error(dtype) if dtype != torch.float32 else 0)
+    assert_within(got, exact.cpu(), (gamma(s) * size).cpu())
