@@ -18,7 +18,7 @@ import torch
 
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
-from bench.rank_padding import WARMUP_STEPS, DecodeCase, build_runner
+from bench.rank_padding import WARMUP_STEPS, DecodeCase, build_runner, rotating_rounds
 from bench.report import markdown_table
 from inference_service.engine.block_manager import BlockManager
 from shared.model_config import ModelConfig
@@ -48,17 +48,7 @@ def quantized(
             )
             for q, (runner, slots) in built.items()
         }
-        rounds: dict[str, list[float]] = {q: [] for q in FORMATS}  # median seconds per step
-        for repeat in range(repeats + 1):
-            times: dict[str, list[float]] = {q: [] for q in FORMATS}
-            for step in range(WARMUP_STEPS if repeat == 0 else steps):
-                for q in FORMATS[step % len(FORMATS) :] + FORMATS[: step % len(FORMATS)]:
-                    times[q].append(cases[q].step())
-            if repeat:
-                medians = {q: statistics.median(t) for q, t in times.items()}
-                progress(f"round {repeat}: " + ", ".join(f"{q} {s * 1e3:.1f} ms" for q, s in medians.items()))
-                for q, seconds in medians.items():
-                    rounds[q].append(seconds)
+        rounds = rotating_rounds(cases, repeats, steps, progress)
     weight_bytes = {q: runner.linear_weight_bytes for q, (runner, _) in built.items()}
     return summary(rounds, weight_bytes, repeats, steps)
 

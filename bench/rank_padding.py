@@ -106,19 +106,29 @@ def rank_padding(
         cases = {BASE: DecodeCase(runners[8], allocators[8], [-1] * SEQUENCES, total)}
         for r, runner in runners.items():
             cases[f"max_lora_rank={r}"] = DecodeCase(runner, allocators[r], mixed[r], total)
-        names = list(cases)
-        rounds: dict[str, list[float]] = {name: [] for name in cases}  # median seconds per step
-        for repeat in range(repeats + 1):
-            times: dict[str, list[float]] = {name: [] for name in cases}
-            for step in range(WARMUP_STEPS if repeat == 0 else steps):  # the order rotating
-                for name in names[step % len(names) :] + names[: step % len(names)]:
-                    times[name].append(cases[name].step())
-            if repeat:
-                medians = {name: statistics.median(t) for name, t in times.items()}
-                progress(f"round {repeat}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in medians.items()))
-                for name, seconds in medians.items():
-                    rounds[name].append(seconds)
+        rounds = rotating_rounds(cases, repeats, steps, progress)
     return summary(rounds, repeats, steps)
+
+
+def rotating_rounds(
+    cases: dict[str, DecodeCase], repeats: int, steps: int, progress: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """Each case's median seconds per decode step in each of `repeats` rounds of `steps` steps,
+    after a round of WARMUP_STEPS dropped ones; the cases take one step each in turn, the order
+    rotating, so the machine's drift favours none."""
+    names = list(cases)
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats + 1):
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for step in range(WARMUP_STEPS if repeat == 0 else steps):
+            for name in names[step % len(names) :] + names[: step % len(names)]:
+                times[name].append(cases[name].step())
+        if repeat:
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            progress(f"round {repeat}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in medians.items()))
+            for name, seconds in medians.items():
+                rounds[name].append(seconds)
+    return rounds
 
 
 def summary(rounds: dict[str, list[float]], repeats: int, steps: int) -> dict:
