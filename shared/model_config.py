@@ -80,6 +80,7 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    checkpoint_quantization: str = "none"  # "nf4": the folder holds bitsandbytes NF4 weights
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -126,6 +127,7 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            checkpoint_quantization=_checkpoint_quantization(cfg.get("quantization_config")),
         )
 
     @property
@@ -171,4 +173,20 @@ def _rope_config(cfg: dict) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _checkpoint_quantization(spec: dict | None) -> str:
+    """What a pre-quantized checkpoint holds: "none" for a dense one, "nf4" for bitsandbytes 4-bit
+    NF4 as transformers saves it; any other method is refused by name."""
+    if not spec:
+        return "none"
+    method = spec.get("quant_method")
+    if method == "bitsandbytes" and spec.get("load_in_4bit") and spec.get("bnb_4bit_quant_type") == "nf4":
+        return "nf4"
+    kind = f"{method} ({'8-bit' if spec.get('load_in_8bit') else spec.get('bnb_4bit_quant_type')})"
+    raise FailedPrecondition(
+        f"config.json: quantization_config {kind if method == 'bitsandbytes' else repr(method)} is not "
+        "supported: loramux reads dense checkpoints (quantized as they load with --quantization int8 or "
+        "nf4) and bitsandbytes 4-bit NF4 ones"
     )

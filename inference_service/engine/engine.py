@@ -243,6 +243,11 @@ class Engine:
         return self.runner.model_config
 
     @property
+    def quantization(self) -> str:
+        """The linear layers' base weight format: the pre-quantized checkpoint's, or config.quantization."""
+        return self.runner.quantization
+
+    @property
     def linear_weight_bytes(self) -> int:
         """Bytes the linear layers' base weights take, in their format (config.quantization)."""
         return self.runner.linear_weight_bytes

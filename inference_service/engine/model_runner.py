@@ -24,6 +24,7 @@ from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
+from shared.errors import InvalidArgument
 from shared.model_config import LORA_TARGETS, ModelConfig
 from shared.nonfinite import finite_rows
 
@@ -44,13 +45,14 @@ class ModelRunner:
         self.lora_unit = unit_elements(self.model_config)
         self.lora_units = adapter_memory_units(config, self.model_config)
         self._page_widths = [n * self.lora_unit for n in page_units(self.model_config)]  # [targets]
+        self.quantization = self._quantization()
         self.model = LlamaModel(
             self.model_config,
             self.lora_units,
             self.lora_unit,
             config.torch_dtype,
             self.device,
-            config.quantization,
+            self.quantization,
         )
         load_weights(self.model, config.model)
         self.linear_weight_bytes = weight_bytes(self.model)
@@ -61,6 +63,17 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
+
+    def _quantization(self) -> str:
+        """The checkpoint's own format when it is pre-quantized, else what the config asks for."""
+        stored, asked = self.model_config.checkpoint_quantization, self.config.quantization
+        if stored == "none":
+            return asked
+        if asked not in ("none", stored):
+            raise InvalidArgument(
+                f"model folder {self.config.model} holds {stored} weights, not {asked} ones (--quantization)"
+            )
+        return stored
 
     def _kv_blocks(self) -> int:
         """As --kv-cache-tokens says, or as memory allows; refused when one max_model_len request

@@ -68,7 +68,10 @@ class Nf4Weight(nn.Module):
         self.register_buffer("absmax", torch.zeros(n // BLOCK, dtype=torch.float32, device=device))
 
     def load_rows(self, offset: int, rows: torch.Tensor) -> None:
-        packed, absmax = quantize_nf4(rows.to(self.packed.device))
+        self.load_quantized(offset, *quantize_nf4(rows.to(self.packed.device)))
+
+    def load_quantized(self, offset: int, packed: torch.Tensor, absmax: torch.Tensor) -> None:
+        """Rows from offset on, already NF4: packed [rows * in / 2] uint8, absmax [rows * in / 64]."""
         start = offset * self.in_features
         self.packed[start // 2 : start // 2 + packed.numel()] = packed
         self.absmax[start // BLOCK : start // BLOCK + absmax.numel()] = absmax

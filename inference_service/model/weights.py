@@ -9,12 +9,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from inference_service.model.base_weight import Nf4Weight
 from inference_service.model.model import LlamaModel
+from kernels.nf4_linear import BLOCK, dequantize_nested_absmax, nf4_code
 from shared.errors import InvalidArgument
 from shared.model_config import MODULE_PARENTS
 
 # Tensors some checkpoints carry that the runtime recomputes or does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# What transformers saves beside a bitsandbytes 4-bit weight "X.weight" (itself the packed codes).
+NF4_STATE = ".quant_state.bitsandbytes__nf4"
+NF4_PARTS = (NF4_STATE, ".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 
 
 def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
@@ -22,16 +27,20 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
     loaded: set[str] = set()
     for path in _checkpoint_files(Path(model_dir)):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith(IGNORED_SUFFIXES) or (
+            names = set(f.keys())
+            for name in sorted(names):
+                if name.endswith(IGNORED_SUFFIXES + NF4_PARTS) or (
                     name == "lm_head.weight" and model.cfg.tie_word_embeddings
                 ):
-                    continue
+                    continue  # an NF4 weight's parts load with the weight
                 if name not in targets:
                     raise InvalidArgument(
                         f"{path.name}: tensor {name} is not part of a {model.cfg.model_type} model"
                     )
-                _copy(targets[name], f.get_tensor(name), name)
+                if name + NF4_STATE in names:
+                    _load_nf4(f, name, targets[name])
+                else:
+                    _copy(targets[name], f.get_tensor(name), name)
                 loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
@@ -90,3 +99,28 @@ def _copy(dst: torch.Tensor | Rows, src: torch.Tensor, name: str) -> None:
         )
     with torch.no_grad():
         dst.copy_(src)
+
+
+def _load_nf4(f, name: str, target) -> None:
+    """A bitsandbytes NF4 weight as transformers saves it: the packed codes, the quant state (JSON
+    in a uint8 tensor), the 16-value map and the absmax, double-quantized or not."""
+    if not isinstance(target, Rows) or not isinstance(target.base, Nf4Weight):
+        raise InvalidArgument(f"tensor {name} is NF4, but its layer is not held in NF4")
+    state = json.loads(bytes(f.get_tensor(name + NF4_STATE).tolist()))
+    rows, columns = target.shape
+    expected = {"quant_type": "nf4", "blocksize": BLOCK, "shape": [rows, columns]}
+    found = {key: state.get(key) for key in expected}
+    if found != expected:
+        raise InvalidArgument(f"tensor {name}: quant state {found}, the model expects {expected}")
+    if not torch.equal(f.get_tensor(name + ".quant_map").float(), nf4_code()):
+        raise InvalidArgument(f"tensor {name}.quant_map is not the NF4 code")
+    absmax = f.get_tensor(name + ".absmax")
+    if "nested_blocksize" in state:
+        nested = (f.get_tensor(name + ".nested_absmax"), f.get_tensor(name + ".nested_quant_map"))
+        absmax = dequantize_nested_absmax(absmax, *nested, state["nested_offset"], state["nested_blocksize"])
+    packed = f.get_tensor(name).flatten()
+    if (packed.numel(), absmax.numel()) != (rows * columns // 2, rows * columns // BLOCK):
+        raise InvalidArgument(
+            f"tensor {name}: {packed.numel()} bytes and {absmax.numel()} absmax for {rows}x{columns}"
+        )
+    target.base.load_quantized(target.offset, packed, absmax.float())

@@ -144,7 +144,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         vocab_size=model.vocab_size,
         max_model_len=engine.max_model_len,
         dtype=config.dtype,
-        quantization=config.quantization,
+        quantization=engine.quantization,
         linear_weight_bytes=engine.linear_weight_bytes,
         device=config.device,
         max_loras=config.max_loras,

@@ -3,6 +3,8 @@ int8 weight-only and bitsandbytes' NF4 linear layers under PEFT's LoRA, the adap
 batch with requests on the base model. The float64 yardstick is PEFT over the dequantized weights
 in float64 (exact: every dequantized value is an fp32 number), so the bound is what fp32 costs."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -144,3 +146,80 @@ def test_quantized_bases_differ_from_the_dense_one_and_from_each_other(models):
         outputs[quantization] = runner.forward([SequenceInput(prompt, 0, table, slots["all8"])])
     assert (outputs["int8"] - outputs["none"]).abs().max() > 1e-4
     assert (outputs["nf4"] - outputs["none"]).abs().max() > (outputs["int8"] - outputs["none"]).abs().max()
+
+
+@pytest.fixture(scope="module")
+def saved_nf4(models, tmp_path_factory):
+    """The tiny Llama as transformers saves it quantized by bitsandbytes (NF4, double quantization),
+    and that in-memory model, the reference."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model_dir, _ = models["llama"]
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, device_map="cpu")
+    folder = tmp_path_factory.mktemp("nf4") / "llama"
+    quantized.save_pretrained(folder)
+    for module in quantized.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return folder, quantized
+
+
+def test_a_checkpoint_saved_in_nf4_with_double_quantization_loads_as_bitsandbytes_computes_it(
+    models, saved_nf4
+):
+    from transformers import AutoModelForCausalLM
+
+    _, adapter_dirs = models["llama"]
+    folder, quantized = saved_nf4
+    fp64 = AutoModelForCausalLM.from_pretrained(models["llama"][0], dtype=torch.float32)
+    layers = dict(quantized.named_modules())
+    for name, module in fp64.named_modules():
+        if isinstance(module, nn.Linear) and isinstance(layers.get(name), bnb.nn.Linear4bit):
+            weight = layers[name].weight
+            module.weight.data = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    reference = Peft(
+        folder, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in (quantized, fp64.double())]
+    )
+    runner, slots, _ = _runner(folder, adapter_dirs)  # no --quantization: the folder says nf4
+    assert runner.quantization == "nf4"
+    gen = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
+    adapters = [a for a, _ in ROWS]
+    blocks = BlockManager(runner.num_blocks)
+    inputs = [
+        SequenceInput(s, 0, blocks.allocate(-(-len(s) // 4)), -1 if a is None else slots[a])
+        for s, a in zip(sequences, adapters, strict=True)
+    ]
+    logits = runner.forward(inputs, all_logits=True)
+    expected, exact = reference.logits(sequences, adapters)
+    assert_fp32_agrees(logits, torch.cat(expected), torch.cat(exact))
+    assert logits.argmax(dim=-1).tolist() == torch.cat(expected).argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes (8-bit) is not supported"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "(fp4)"),
+    ],
+)
+def test_other_quantized_checkpoints_are_refused_by_name(models, tmp_path, spec, says):
+    import json
+    import shutil
+
+    from shared.errors import FailedPrecondition
+    from shared.model_config import ModelConfig
+
+    folder = tmp_path / "model"
+    shutil.copytree(models["llama"][0], folder)
+    config = json.loads((folder / "config.json").read_text()) | {"quantization_config": spec}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FailedPrecondition, match=re.escape(says)):
+        ModelConfig.from_dir(folder)
