@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 
 import loramux
 from bench.cache import default_model_dir
-from bench.local_stack import start, wait_ready
+from bench.local_stack import service, services
 from bench.random_adapter import write_random_adapter
 from shared.model_config import ModelConfig
 
@@ -91,17 +91,6 @@ async def alone(send: Send) -> list[float]:
     return [(await send(adapter, ids))[1] for adapter, ids in requests()[:ALONE]]
 
 
-@contextmanager
-def service(module: str, *args: str, env: dict | None = None) -> Iterator[str]:
-    """`python -m module` on a loopback port (bench.local_stack.start); yields its address."""
-    process, address = start(module, *args, env=env)
-    try:
-        yield address
-    finally:
-        process.terminate()
-        process.wait()
-
-
 def wait_healthy(address: str, timeout_s: float = 60) -> None:
     """Until the gateway's /health answers 200 (it has reached the worker)."""
     deadline = time.monotonic() + timeout_s
@@ -119,18 +108,14 @@ def wait_healthy(address: str, timeout_s: float = 60) -> None:
 def http_stack(
     model_dir: Path, allowed_root: Path, work_dir: Path, *worker_flags: str
 ) -> Iterator[tuple[str, ...]]:
-    """A store serving file:// adapters under `allowed_root`, a worker following it and a gateway in
-    front of both, each its own process; yields their addresses (gateway, worker, store)."""
-    store_args = ("--data-dir", str(work_dir / "store"), "--allowed-root", str(allowed_root))
-    with service("adapter_store", *store_args) as store:
-        worker_args = ("--store", store, "--model", str(model_dir), *worker_flags)
-        with service(
-            "inference_service", *worker_args, env={"LORAMUX_CACHE": str(work_dir / "worker")}
-        ) as worker:
-            wait_ready(worker)
-            with service("openai_gateway", "--worker", worker, "--store", store) as gateway:
-                wait_healthy(gateway)
-                yield gateway, worker, store
+    """bench.local_stack's store and worker, and a gateway in front of both, each its own process;
+    yields their addresses (gateway, worker, store)."""
+    with (
+        services(model_dir, allowed_root, work_dir, *worker_flags) as (worker, store),
+        service("openai_gateway", "--worker", worker, "--store", store) as gateway,
+    ):
+        wait_healthy(gateway)
+        yield gateway, worker, store
 
 
 def gateway_vs_direct(model_dir: Path, repeats: int = 5, progress: Progress = lambda line: None) -> dict:

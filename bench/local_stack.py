@@ -43,28 +43,41 @@ def wait_ready(address: str, timeout_s: float = 120) -> None:
 
 
 @contextmanager
+def service(module: str, *args: str, env: dict | None = None) -> Iterator[str]:
+    """`python -m module` on a loopback port (start); yields its address, stops it on exit."""
+    process, address = start(module, *args, env=env)
+    try:
+        yield address
+    finally:
+        process.terminate()
+        process.wait()
+
+
+@contextmanager
+def services(
+    model_dir: Path, allowed_root: Path, work_dir: Path, *worker_flags: str
+) -> Iterator[tuple[str, str]]:
+    """A store serving file:// adapters under `allowed_root` and a ready worker following it, each
+    its own process; yields their addresses (worker, store). Both stop on exit."""
+    with service(
+        "adapter_store", "--data-dir", str(work_dir / "store"), "--allowed-root", str(allowed_root)
+    ) as store:
+        worker_args = ("--store", store, "--model", str(model_dir), *worker_flags)
+        with service(
+            "inference_service", *worker_args, env={"LORAMUX_CACHE": str(work_dir / "worker")}
+        ) as worker:
+            wait_ready(worker)
+            yield worker, store
+
+
+@contextmanager
 def local_stack(
     model_dir: Path, allowed_root: Path, work_dir: Path, *worker_flags: str
 ) -> Iterator[loramux.Client]:
-    """A store serving file:// adapters under `allowed_root` and a worker following it; yields an
-    SDK client for both, its worker channel already open. Both processes stop on exit."""
-    store, store_address = start(
-        "adapter_store", "--data-dir", str(work_dir / "store"), "--allowed-root", str(allowed_root)
-    )
-    try:
-        worker, address = start(
-            "inference_service",
-            *("--store", store_address, "--model", str(model_dir), *worker_flags),
-            env={"LORAMUX_CACHE": str(work_dir / "worker")},
-        )
-        try:
-            wait_ready(address)
-            with loramux.Client(worker=address, store=store_address) as client:
-                client.model_info()  # opens the worker's channel before many threads share it
-                yield client
-        finally:
-            worker.terminate()
-            worker.wait()
-    finally:
-        store.terminate()
-        store.wait()
+    """services(), and an SDK client for both, its worker channel already open."""
+    with (
+        services(model_dir, allowed_root, work_dir, *worker_flags) as (address, store_address),
+        loramux.Client(worker=address, store=store_address) as client,
+    ):
+        client.model_info()  # opens the worker's channel before many threads share it
+        yield client
