@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
-from starlette.types import Receive, Scope, Send
 
 from loramux import Completion
 
@@ -20,17 +19,6 @@ from .samples import Samples
 from .upstream import Upstream
 
 DONE = format_sse_event(data_str="[DONE]")
-
-
-class SseResponse(EventSourceResponse):
-    """Closes its stream however the response ends, a client gone mid-stream included, so the
-    Generate calls behind it are cancelled now rather than when the garbage collector finds them."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
@@ -53,7 +41,7 @@ async def _serve(request, body, inputs: list[dict], kind: type[Renderer], upstre
     metrics.first_token.observe(time.perf_counter() - start)
     request.state.model = body.model
     if body.stream:
-        return SseResponse(_events(samples, renderer, body.include_usage))
+        return EventSourceResponse(_events(samples, renderer, body.include_usage))
     completions = await _unless_gone(request, samples)
     return JSONResponse(renderer.whole(completions, samples.usage(completions)))
 
@@ -86,7 +74,9 @@ def _asked_logprobs(alternatives: int | None) -> int:
 
 async def _events(samples: Samples, renderer: Renderer, include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE body: a chunk per delta and per choice's end, the usage chunk when asked for, then
-    [DONE]. An error after the response has started goes out as an error event (the status is sent)."""
+    [DONE]. An error after the response has started goes out as an error event (the status is sent).
+    A client that hangs up: Starlette cancels the task streaming this body, and the cancellation
+    ends samples.events(), whose close cancels the Generate calls."""
     ended: dict[int, Completion] = {}
     try:
         async for index, event in samples.events():

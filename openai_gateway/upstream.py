@@ -1,7 +1,5 @@
 """Upstream: the gateway's SDK client and what it learns from the worker once (the base model)."""
 
-import asyncio
-
 from loramux import AsyncClient, ModelInfo
 from shared.names import ADAPTER_ID
 
@@ -24,13 +22,11 @@ class Upstream:
         )
         self._served_name = config.served_model_name
         self._info: ModelInfo | None = None
-        self._info_lock = asyncio.Lock()
 
     async def model_info(self) -> ModelInfo:
         """The worker's model, asked once: a gateway may start before its workers, so not at start."""
-        async with self._info_lock:
-            if self._info is None:
-                self._info = await self.client.model_info()
+        if self._info is None:  # two first calls at once may both ask: the answers are the same
+            self._info = await self.client.model_info()
         return self._info
 
     async def base_name(self) -> str:
