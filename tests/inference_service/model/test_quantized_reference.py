@@ -223,3 +223,43 @@ def test_other_quantized_checkpoints_are_refused_by_name(models, tmp_path, spec,
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(FailedPrecondition, match=re.escape(says)):
         ModelConfig.from_dir(folder)
+
+
+def test_nf4_refuses_a_fused_weight_whose_blocks_would_straddle_two_slices():
+    from inference_service.model.base_weight import base_weight
+    from shared.errors import InvalidArgument
+
+    base_weight("nf4", 48, (4, 8), torch.float32, "cpu")  # 192 and 384 values: whole blocks
+    with pytest.raises(InvalidArgument, match=re.escape("a [4, 24] weight is not")):
+        base_weight("nf4", 24, (4, 8), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("part", "says"),
+    [
+        (".quant_map", "quant_map is not the NF4 code"),
+        (".quant_state.bitsandbytes__nf4", "quant state"),
+    ],
+)
+def test_a_saved_nf4_weight_whose_parts_disagree_is_refused_naming_the_tensor(
+    models, saved_nf4, tmp_path, part, says
+):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from shared.errors import InvalidArgument
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_nf4[0], folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    if part == ".quant_map":
+        tensors[name + part] = tensors[name + part].flip(0)
+    else:
+        state = json.loads(bytes(tensors[name + part].tolist())) | {"blocksize": 128}
+        tensors[name + part] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidArgument, match=re.escape(name) + ".*" + re.escape(says)):
+        _runner(folder, models["llama"][1])
