@@ -80,7 +80,7 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    checkpoint_quantization: str = "none"  # "nf4": the folder holds bitsandbytes NF4 weights
+    checkpoint_quantization: str = "none"  # "nf4" or "int8": the folder holds pre-quantized weights
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -178,15 +178,44 @@ def _rope_config(cfg: dict) -> RopeConfig:
 
 def _checkpoint_quantization(spec: dict | None) -> str:
     """What a pre-quantized checkpoint holds: "none" for a dense one, "nf4" for bitsandbytes 4-bit
-    NF4 as transformers saves it; any other method is refused by name."""
+    NF4 and "int8" for torchao's per-row int8 weight-only, as transformers saves them; any other
+    method is refused by name."""
     if not spec:
         return "none"
     method = spec.get("quant_method")
     if method == "bitsandbytes" and spec.get("load_in_4bit") and spec.get("bnb_4bit_quant_type") == "nf4":
         return "nf4"
-    kind = f"{method} ({'8-bit' if spec.get('load_in_8bit') else spec.get('bnb_4bit_quant_type')})"
+    if method == "torchao" and _is_torchao_int8_per_row(spec.get("quant_type")):
+        return "int8"
+    if method == "bitsandbytes":
+        kind = f"bitsandbytes ({'8-bit' if spec.get('load_in_8bit') else spec.get('bnb_4bit_quant_type')})"
+    elif method == "torchao":
+        kind = f"torchao ({_torchao_kind(spec.get('quant_type'))})"
+    else:
+        kind = repr(method)
     raise FailedPrecondition(
-        f"config.json: quantization_config {kind if method == 'bitsandbytes' else repr(method)} is not "
-        "supported: loramux reads dense checkpoints (quantized as they load with --quantization int8 or "
-        "nf4) and bitsandbytes 4-bit NF4 ones"
+        f"config.json: quantization_config {kind} is not supported: loramux reads dense checkpoints "
+        "(quantized as they load with --quantization int8 or nf4), bitsandbytes 4-bit NF4 ones and "
+        "torchao Int8WeightOnlyConfig (per row) ones"
     )
+
+
+def _is_torchao_int8_per_row(quant_type) -> bool:
+    """transformers' serialized TorchAoConfig: one config for every module, Int8WeightOnlyConfig
+    with a scale per row (PerRow granularity, no groups)."""
+    if not isinstance(quant_type, dict) or set(quant_type) != {"default"}:
+        return False
+    config = quant_type["default"]
+    data = config.get("_data", {}) if isinstance(config, dict) else {}
+    granularity = data.get("granularity")
+    return (
+        _torchao_kind(quant_type) == "Int8WeightOnlyConfig"
+        and data.get("group_size") is None
+        and (granularity is None or granularity.get("_type") == "PerRow")
+    )
+
+
+def _torchao_kind(quant_type) -> str:
+    if isinstance(quant_type, dict) and isinstance(quant_type.get("default"), dict):
+        return str(quant_type["default"].get("_type"))
+    return repr(quant_type)

@@ -39,9 +39,12 @@ class Int8Weight(nn.Module):
         self.register_buffer("scale", torch.zeros(out_features, dtype=torch.float32, device=device))
 
     def load_rows(self, offset: int, rows: torch.Tensor) -> None:
-        q, scale = quantize_int8_rows(rows.to(self.q.device))
-        self.q[offset : offset + rows.shape[0]] = q
-        self.scale[offset : offset + rows.shape[0]] = scale
+        self.load_quantized(offset, *quantize_int8_rows(rows.to(self.q.device)))
+
+    def load_quantized(self, offset: int, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Rows from offset on, already int8: q [rows, in], scale [rows] fp32."""
+        self.q[offset : offset + q.shape[0]] = q
+        self.scale[offset : offset + q.shape[0]] = scale
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:  # one launch, the int8 tiles cast as they load

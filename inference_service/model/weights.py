@@ -1,7 +1,9 @@
 """Load an HF checkpoint (model.safetensors or a sharded index) into a LlamaModel, packing
-q/k/v and gate/up into their fused matmuls."""
+q/k/v and gate/up into their fused matmuls. Dense weights, and weights transformers saved
+pre-quantized: bitsandbytes NF4 and torchao int8 (their parts may sit in different shards)."""
 
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from inference_service.model.base_weight import Nf4Weight
+from inference_service.model.base_weight import Int8Weight, Nf4Weight
 from inference_service.model.model import LlamaModel
 from kernels.nf4_linear import BLOCK, dequantize_nested_absmax, nf4_code
 from shared.errors import InvalidArgument
@@ -20,28 +22,59 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # What transformers saves beside a bitsandbytes 4-bit weight "X.weight" (itself the packed codes).
 NF4_STATE = ".quant_state.bitsandbytes__nf4"
 NF4_PARTS = (NF4_STATE, ".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+# What transformers saves for a torchao Int8Tensor weight "X.weight": "X._weight_qdata" and these.
+INT8_DATA = "._weight_qdata"
+INT8_PARTS = ("._weight_scale", "._weight_zero_point")
+
+
+class Checkpoint:
+    """Every tensor of a checkpoint's files, by name, read lazily."""
+
+    def __init__(self, files: list[Path], stack: ExitStack):
+        self.file_of: dict[str, Path] = {}
+        self._handles = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(path, framework="pt"))
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+                self.file_of[name] = path
+                self._handles[name] = handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._handles
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._handles:
+            raise InvalidArgument(f"checkpoint lacks tensor {name}")
+        return self._handles[name].get_tensor(name)
 
 
 def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
     targets = _targets(model)
+    stored = model.cfg.checkpoint_quantization
     loaded: set[str] = set()
-    for path in _checkpoint_files(Path(model_dir)):
-        with safe_open(path, framework="pt") as f:
-            names = set(f.keys())
-            for name in sorted(names):
-                if name.endswith(IGNORED_SUFFIXES + NF4_PARTS) or (
-                    name == "lm_head.weight" and model.cfg.tie_word_embeddings
-                ):
-                    continue  # an NF4 weight's parts load with the weight
-                if name not in targets:
-                    raise InvalidArgument(
-                        f"{path.name}: tensor {name} is not part of a {model.cfg.model_type} model"
-                    )
-                if name + NF4_STATE in names:
-                    _load_nf4(f, name, targets[name])
-                else:
-                    _copy(targets[name], f.get_tensor(name), name)
-                loaded.add(name)
+    with ExitStack() as stack:
+        checkpoint = Checkpoint(_checkpoint_files(Path(model_dir)), stack)
+        for name in sorted(checkpoint.file_of):
+            if name.endswith(IGNORED_SUFFIXES + NF4_PARTS + INT8_PARTS) or (
+                name == "lm_head.weight" and model.cfg.tie_word_embeddings
+            ):
+                continue  # a quantized weight's parts load with the weight
+            weight = name.removesuffix(INT8_DATA) + ".weight" if name.endswith(INT8_DATA) else name
+            if weight not in targets:
+                file = checkpoint.file_of[name].name
+                raise InvalidArgument(f"{file}: tensor {name} is not part of a {model.cfg.model_type} model")
+            if name.endswith(INT8_DATA):
+                _load_int8(checkpoint, name.removesuffix(INT8_DATA), targets[weight])
+            elif name + NF4_STATE in checkpoint:
+                _load_nf4(checkpoint, name, targets[weight])
+            elif isinstance(targets[weight], Rows) and stored != "none":
+                raise InvalidArgument(
+                    f"tensor {name} is dense in a checkpoint quantized to {stored}: loramux "
+                    "holds every linear layer of a pre-quantized model quantized (no modules_to_not_convert)"
+                )
+            else:
+                _copy(targets[weight], checkpoint.get(name), name)
+            loaded.add(weight)
     missing = sorted(set(targets) - loaded)
     if missing:
         raise InvalidArgument(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[0]}")
@@ -101,26 +134,52 @@ def _copy(dst: torch.Tensor | Rows, src: torch.Tensor, name: str) -> None:
         dst.copy_(src)
 
 
-def _load_nf4(f, name: str, target) -> None:
+def _quantized_target(target, name: str, kind: str, layer_type: type) -> Rows:
+    if not isinstance(target, Rows) or not isinstance(target.base, layer_type):
+        raise InvalidArgument(f"tensor {name} is {kind}, but its layer is not held in {kind}")
+    return target
+
+
+def _load_nf4(checkpoint: Checkpoint, name: str, target) -> None:
     """A bitsandbytes NF4 weight as transformers saves it: the packed codes, the quant state (JSON
     in a uint8 tensor), the 16-value map and the absmax, double-quantized or not."""
-    if not isinstance(target, Rows) or not isinstance(target.base, Nf4Weight):
-        raise InvalidArgument(f"tensor {name} is NF4, but its layer is not held in NF4")
-    state = json.loads(bytes(f.get_tensor(name + NF4_STATE).tolist()))
+    target = _quantized_target(target, name, "NF4", Nf4Weight)
+    state = json.loads(bytes(checkpoint.get(name + NF4_STATE).tolist()))
     rows, columns = target.shape
     expected = {"quant_type": "nf4", "blocksize": BLOCK, "shape": [rows, columns]}
     found = {key: state.get(key) for key in expected}
     if found != expected:
         raise InvalidArgument(f"tensor {name}: quant state {found}, the model expects {expected}")
-    if not torch.equal(f.get_tensor(name + ".quant_map").float(), nf4_code()):
+    if not torch.equal(checkpoint.get(name + ".quant_map").float(), nf4_code()):
         raise InvalidArgument(f"tensor {name}.quant_map is not the NF4 code")
-    absmax = f.get_tensor(name + ".absmax")
+    absmax = checkpoint.get(name + ".absmax")
     if "nested_blocksize" in state:
-        nested = (f.get_tensor(name + ".nested_absmax"), f.get_tensor(name + ".nested_quant_map"))
+        nested = (checkpoint.get(name + ".nested_absmax"), checkpoint.get(name + ".nested_quant_map"))
         absmax = dequantize_nested_absmax(absmax, *nested, state["nested_offset"], state["nested_blocksize"])
-    packed = f.get_tensor(name).flatten()
+    packed = checkpoint.get(name).flatten()
     if (packed.numel(), absmax.numel()) != (rows * columns // 2, rows * columns // BLOCK):
         raise InvalidArgument(
             f"tensor {name}: {packed.numel()} bytes and {absmax.numel()} absmax for {rows}x{columns}"
         )
     target.base.load_quantized(target.offset, packed, absmax.float())
+
+
+def _load_int8(checkpoint: Checkpoint, module: str, target) -> None:
+    """A torchao Int8Tensor as transformers saves it: int8 codes [out, in], a scale [out, 1] and a
+    zero point [out, 1] that symmetric per-row quantization leaves at zero."""
+    name = module + INT8_DATA
+    target = _quantized_target(target, name, "int8", Int8Weight)
+    rows, columns = target.shape
+    q, scale = checkpoint.get(name), checkpoint.get(module + "._weight_scale")
+    if q.dtype != torch.int8 or tuple(q.shape) != (rows, columns):
+        raise InvalidArgument(
+            f"tensor {name} is {q.dtype} {tuple(q.shape)}, the model expects torch.int8 {(rows, columns)}"
+        )
+    if scale.numel() != rows:
+        raise InvalidArgument(
+            f"tensor {module}._weight_scale has {scale.numel()} scales, not one per row ({rows})"
+        )
+    zero_point = module + "._weight_zero_point"
+    if zero_point in checkpoint and checkpoint.get(zero_point).any():
+        raise InvalidArgument(f"tensor {zero_point} is not zero: only symmetric int8 is supported")
+    target.base.load_quantized(target.offset, q, scale.flatten().float())

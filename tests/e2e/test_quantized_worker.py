@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 import loramux
+from tests.adapter_store.conftest import ADMIN_TOKEN, StoreProcess
+from tests.conftest import TINY_ADAPTERS, build_peft_adapter, build_tiny_model
 from tests.e2e.conftest import WorkerProcess
 
 # Bounds from the formats: int8 is 8 bits a weight plus a 32-bit scale per row of 576 or more
@@ -50,3 +52,69 @@ def test_quantized_linear_weights_take_their_formats_share_of_memory(served, qua
     # keeping some of the load's temporary quantization buffers; 75% is the floor.
     assert dense_rss - rss >= 0.75 * saved, (dense_rss, rss, saved)
     assert text  # and it serves
+
+
+@pytest.fixture(scope="module")
+def pre_quantized(tmp_path_factory) -> dict:
+    """A tiny Llama (rows of whole NF4 blocks) saved dense, as torchao saves it in int8 and as
+    bitsandbytes saves it in NF4; a folder of adapters: one trained on it, one on a model whose
+    MLP is wider. name -> folder."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao")
+    pytest.importorskip("bitsandbytes")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TorchAoConfig
+
+    root = tmp_path_factory.mktemp("pre-quantized")
+    dense = build_tiny_model(root / "dense", intermediate_size=128)
+    configs = {
+        "int8": TorchAoConfig(Int8WeightOnlyConfig(set_inductor_config=False)),
+        "nf4": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        ),
+    }  # fmt: skip
+    folders = {"sources": root / "sources"}
+    for name, config in configs.items():
+        model = AutoModelForCausalLM.from_pretrained(
+            dense, quantization_config=config, dtype=torch.float32, device_map="cpu"
+        )
+        model.save_pretrained(root / name)
+        folders[name] = root / name
+    wide = build_tiny_model(root / "wide", intermediate_size=192)
+    build_peft_adapter(dense, folders["sources"] / "fits", seed=1, **TINY_ADAPTERS["all8"])
+    build_peft_adapter(wide, folders["sources"] / "wide", seed=1, **TINY_ADAPTERS["all8"])
+    return folders
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_a_store_checks_adapters_against_a_pre_quantized_base_and_its_worker_serves_them(
+    pre_quantized, tmp_path, quantization
+):
+    """The store reads the shapes from config.json, not from the packed weights; the worker on
+    that folder loads the adapter and answers as the engine does in process."""
+    from inference_service.engine import Engine, EngineConfig, Request
+    from inference_service.sampling import SamplingParams
+
+    base, sources = pre_quantized[quantization], pre_quantized["sources"]
+    flags = ["--allowed-root", str(sources), "--base-model", str(base), "--admin-token", ADMIN_TOKEN]
+    store = StoreProcess(tmp_path / "store", flags).start()
+    worker = WorkerProcess(base, store.address, tmp_path / "cache", "--kv-cache-tokens", "256").start()
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        with loramux.Client(worker=worker.address, store=store.address, admin_token=ADMIN_TOKEN) as client:
+            assert client.model_info().quantization == quantization
+            client.register_adapter("fits", f"file://{sources / 'fits'}")
+            wide = r"down_proj.lora_A has shape \(8, 192\), the base layer takes 128 inputs"
+            with pytest.raises(loramux.InvalidArgument, match=wide):
+                client.register_adapter("wide", f"file://{sources / 'wide'}")
+            served = client.complete(token_ids=prompt, adapter="fits", max_tokens=8, temperature=0)
+    finally:
+        worker.terminate()
+        worker.wait()
+        store.stop()
+    engine = Engine(EngineConfig(model=str(base), kv_cache_tokens=256))
+    engine.add_adapter("fits", sources / "fits")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    (expected,) = engine.generate([Request(prompt, "fits", params)])
+    assert served.token_ids == expected.token_ids

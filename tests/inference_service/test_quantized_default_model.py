@@ -1,6 +1,7 @@
-"""The default model on int8 and NF4 bases through the engine: greedy tokens of a mixed batch (three
-adapters and the base model) equal transformers + PEFT's over torchao's and bitsandbytes' own
-layers holding the same quantized weights, 8 prompts x 32 tokens."""
+"""The default model on int8 and NF4 bases through the engine, against transformers + PEFT over
+torchao's and bitsandbytes' own layers holding the same quantized weights: a mixed batch (three
+adapters and the base model), 8 prompts x 32 greedy tokens. Tokens equal, and the chosen tokens'
+logprobs as close to the reference's float64 forward as fp32 allows (tests/fp32_agreement.py)."""
 
 import pytest
 import torch
@@ -9,7 +10,13 @@ from bench.random_adapter import write_random_adapter
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
-from tests.inference_service.model.test_quantized_reference import REFERENCES, _replace_linears
+from tests.fp32_agreement import assert_fp32_agrees
+from tests.inference_service.model.test_peft_reference import Peft, _with_adapters
+from tests.inference_service.model.test_quantized_reference import (
+    REFERENCES,
+    _dequantized_weight,
+    _replace_linears,
+)
 
 pytest.importorskip("torchao")
 pytest.importorskip("bitsandbytes")
@@ -39,35 +46,37 @@ def requests(tokenizer) -> list[tuple[list[int], str | None]]:
     ]
 
 
-def reference_tokens(model_dir, adapter_dirs, quantization: str, work) -> list[list[int]]:
-    from peft import PeftModel
+def quantized_peft(model_dir, adapter_dirs, quantization: str) -> Peft:
+    """PEFT over the library's quantized layers (fp32), and over the weights those layers compute
+    with in float64: the yardstick."""
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    _replace_linears(base, REFERENCES[quantization])
-    model = PeftModel.from_pretrained(base, adapter_dirs[ADAPTERS[0]], adapter_name=ADAPTERS[0])
-    for name in ADAPTERS[1:]:
-        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _replace_linears(fp32, REFERENCES[quantization])
+    fp64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).double()
+    quantized = dict(fp32.named_modules())
+    for name, module in fp64.named_modules():
+        weight = _dequantized_weight(quantized[name]) if name in quantized else None
+        if weight is not None:
+            module.weight.data = weight
+    return Peft(model_dir, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in (fp32, fp64)])
+
+
+def chosen_logprobs(
+    logits: list[torch.Tensor], prompts: list[list[int]], tokens: list[list[int]]
+) -> torch.Tensor:
+    """Per sequence, the logprob of each generated token at the position that predicted it, the
+    log_softmax in the logits' own dtype (an fp32 one rounds as ours does: most of what separates
+    fp32 logprobs from float64 ones), all sequences concatenated: [prompts * TOKENS] float64."""
     out = []
-    with torch.no_grad():
-        for ids, adapter in work:  # greedy with the KV cache, end-of-sequence ignored as on our side
-            step, past, tokens = torch.tensor([ids]), None, []
-            for _ in range(TOKENS):
-                result = model(
-                    input_ids=step,
-                    past_key_values=past,
-                    use_cache=True,
-                    adapter_names=[adapter or "__base__"],
-                )
-                past, token = result.past_key_values, int(result.logits[0, -1].argmax())
-                tokens.append(token)
-                step = torch.tensor([[token]])
-            out.append(tokens)
-    return out
+    for seq_logits, prompt, generated in zip(logits, prompts, tokens, strict=True):
+        steps = seq_logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]  # [TOKENS, vocab]
+        out.append(steps.log_softmax(dim=-1).gather(1, torch.tensor(generated)[:, None])[:, 0].double())
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "nf4"])
-def test_greedy_tokens_of_a_mixed_batch_equal_peft_on_the_same_quantized_weights(
+def test_a_mixed_batch_equals_peft_on_the_same_quantized_weights(
     quantization, default_model_dir, adapter_dirs, tokenizer
 ):
     work = requests(tokenizer)
@@ -78,10 +87,19 @@ def test_greedy_tokens_of_a_mixed_batch_equal_peft_on_the_same_quantized_weights
     )
     for name, folder in adapter_dirs.items():
         engine.add_adapter(name, folder)
-    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    ours = [
-        out.token_ids for out in engine.generate([Request(ids, adapter, params) for ids, adapter in work])
-    ]
-    expected = reference_tokens(default_model_dir, adapter_dirs, quantization, work)
-    for i, (got, want) in enumerate(zip(ours, expected, strict=True)):
-        assert got == want, f"prompt {i} ({work[i][1] or 'base'})"
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    outputs = engine.generate([Request(ids, adapter, params) for ids, adapter in work])
+    prompts, adapters = [ids for ids, _ in work], [adapter for _, adapter in work]
+    tokens = [out.token_ids for out in outputs]
+    # The reference reads each prompt and our tokens in one forward: greedy decoding gives the
+    # same tokens exactly when every one is the reference's argmax after the ones before it.
+    expected, exact = quantized_peft(default_model_dir, adapter_dirs, quantization).logits(
+        [p + t for p, t in zip(prompts, tokens, strict=True)], adapters
+    )
+    for i, (prompt, generated, logits) in enumerate(zip(prompts, tokens, expected, strict=True)):
+        greedy = logits[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
+        assert generated == greedy, f"prompt {i} ({adapters[i] or 'base'})"
+    ours = torch.tensor([lp.logprob for out in outputs for lp in out.logprobs], dtype=torch.float64)
+    assert_fp32_agrees(
+        ours, chosen_logprobs(expected, prompts, tokens), chosen_logprobs(exact, prompts, tokens)
+    )

@@ -152,42 +152,69 @@ def test_quantized_bases_differ_from_the_dense_one_and_from_each_other(models):
 def saved_nf4(models, tmp_path_factory):
     """The tiny Llama as transformers saves it quantized by bitsandbytes (NF4, double quantization),
     and that in-memory model, the reference."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
-    model_dir, _ = models["llama"]
     config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.float32,
     )
-    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, device_map="cpu")
-    folder = tmp_path_factory.mktemp("nf4") / "llama"
-    quantized.save_pretrained(folder)
+    folder, quantized = _saved(models["llama"][0], config, tmp_path_factory.mktemp("nf4"))
     for module in quantized.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
     return folder, quantized
 
 
-def test_a_checkpoint_saved_in_nf4_with_double_quantization_loads_as_bitsandbytes_computes_it(
-    models, saved_nf4
-):
+@pytest.fixture(scope="module")
+def saved_int8(models, tmp_path_factory):
+    """The tiny Llama as transformers saves it quantized by torchao (Int8WeightOnlyConfig, per row),
+    and that in-memory model, the reference."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    config = TorchAoConfig(Int8WeightOnlyConfig(set_inductor_config=False))
+    return _saved(models["llama"][0], config, tmp_path_factory.mktemp("int8"))
+
+
+def _saved(model_dir, config, root):
+    from transformers import AutoModelForCausalLM
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
+    quantized.save_pretrained(root / "llama")
+    return root / "llama", quantized
+
+
+def _dequantized_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight a reference's quantized layer computes with, in float64; None for a dense one."""
+    if isinstance(module, bnb.nn.Linear4bit):
+        return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).double()
+    if isinstance(getattr(module, "weight", None), torchao.quantization.Int8Tensor):
+        return module.weight.qdata.double() * module.weight.scale.double()  # [out, in] * [out, 1]
+    return None
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_a_checkpoint_saved_pre_quantized_loads_as_its_library_computes_it(models, quantization, request):
+    """NF4 with double quantization as bitsandbytes saves it, int8 as torchao saves it."""
     from transformers import AutoModelForCausalLM
 
     _, adapter_dirs = models["llama"]
-    folder, quantized = saved_nf4
-    fp64 = AutoModelForCausalLM.from_pretrained(models["llama"][0], dtype=torch.float32)
+    folder, quantized = request.getfixturevalue(f"saved_{quantization}")
+    fp64 = AutoModelForCausalLM.from_pretrained(models["llama"][0], dtype=torch.float32).double()
     layers = dict(quantized.named_modules())
+    replaced = 0
     for name, module in fp64.named_modules():
-        if isinstance(module, nn.Linear) and isinstance(layers.get(name), bnb.nn.Linear4bit):
-            weight = layers[name].weight
-            module.weight.data = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
-    reference = Peft(
-        folder, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in (quantized, fp64.double())]
-    )
-    runner, slots, _ = _runner(folder, adapter_dirs)  # no --quantization: the folder says nf4
-    assert runner.quantization == "nf4"
+        weight = _dequantized_weight(layers[name]) if name in layers else None
+        if isinstance(module, nn.Linear) and weight is not None:
+            module.weight.data, replaced = weight, replaced + 1
+    assert replaced == 7 * len(fp64.model.layers)
+    reference = Peft(folder, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in (quantized, fp64)])
+    runner, slots, _ = _runner(folder, adapter_dirs)  # no --quantization: the folder says which
+    assert runner.quantization == quantization
     gen = torch.Generator().manual_seed(3)
     sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
     adapters = [a for a, _ in ROWS]
@@ -208,6 +235,20 @@ def test_a_checkpoint_saved_in_nf4_with_double_quantization_loads_as_bitsandbyte
         ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes (8-bit) is not supported"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "(fp4)"),
+        (
+            {
+                "quant_method": "torchao",
+                "quant_type": {"default": {"_type": "Int4WeightOnlyConfig", "_data": {}}},
+            },
+            "torchao (Int4WeightOnlyConfig) is not supported",
+        ),
+        (
+            {
+                "quant_method": "torchao",
+                "quant_type": {"default": {"_type": "Int8WeightOnlyConfig", "_data": {"group_size": 32}}},
+            },
+            "torchao (Int8WeightOnlyConfig) is not supported",
+        ),
     ],
 )
 def test_other_quantized_checkpoints_are_refused_by_name(models, tmp_path, spec, says):
@@ -234,17 +275,22 @@ def test_nf4_refuses_a_fused_weight_whose_blocks_would_straddle_two_slices():
         base_weight("nf4", 24, (4, 8), torch.float32, "cpu")
 
 
+LAYER = "model.layers.1.self_attn.k_proj"
+
+
 @pytest.mark.parametrize(
-    ("part", "says"),
+    ("saved", "part", "tamper", "says"),
     [
-        (".quant_map", "quant_map is not the NF4 code"),
-        (".quant_state.bitsandbytes__nf4", "quant state"),
+        ("nf4", ".weight.quant_map", lambda t: t.flip(0), "quant_map is not the NF4 code"),
+        ("nf4", ".weight.quant_state.bitsandbytes__nf4", lambda t: _json_edit(t, blocksize=9), "quant state"),
+        ("int8", "._weight_zero_point", lambda t: t + 1, "is not zero: only symmetric int8"),
+        ("int8", "._weight_scale", lambda t: t[:-1], "has 31 scales, not one per row (32)"),
+        ("int8", "._weight_qdata", lambda t: t.float(), "is torch.float32 (32, 64), the model"),
     ],
-)
-def test_a_saved_nf4_weight_whose_parts_disagree_is_refused_naming_the_tensor(
-    models, saved_nf4, tmp_path, part, says
+)  # fmt: skip
+def test_a_saved_quantized_weight_whose_parts_disagree_is_refused_naming_the_tensor(
+    models, request, tmp_path, saved, part, tamper, says
 ):
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -252,14 +298,70 @@ def test_a_saved_nf4_weight_whose_parts_disagree_is_refused_naming_the_tensor(
     from shared.errors import InvalidArgument
 
     folder = tmp_path / "model"
-    shutil.copytree(saved_nf4[0], folder)
+    shutil.copytree(request.getfixturevalue(f"saved_{saved}")[0], folder)
     tensors = load_file(folder / "model.safetensors")
-    name = "model.layers.1.self_attn.k_proj.weight"
-    if part == ".quant_map":
-        tensors[name + part] = tensors[name + part].flip(0)
-    else:
-        state = json.loads(bytes(tensors[name + part].tolist())) | {"blocksize": 128}
-        tensors[name + part] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+    tensors[LAYER + part] = tamper(tensors[LAYER + part])
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(InvalidArgument, match=re.escape(name) + ".*" + re.escape(says)):
+    with pytest.raises(InvalidArgument, match=re.escape(LAYER) + ".*" + re.escape(says)):
         _runner(folder, models["llama"][1])
+
+
+def test_a_pre_quantized_checkpoint_with_a_dense_linear_layer_is_refused_naming_it(
+    models, saved_int8, tmp_path
+):
+    """transformers' modules_to_not_convert leaves layers dense; quantizing them here would not be
+    the model the checkpoint describes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from shared.errors import InvalidArgument
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_int8[0], folder)
+    tensors = load_file(folder / "model.safetensors")
+    q, scale = (tensors.pop(f"{LAYER}._weight_{part}") for part in ("qdata", "scale"))
+    del tensors[f"{LAYER}._weight_zero_point"]
+    tensors[f"{LAYER}.weight"] = q.float() * scale
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        InvalidArgument,
+        match=re.escape(f"tensor {LAYER}.weight is dense in a checkpoint quantized to int8"),
+    ):
+        _runner(folder, models["llama"][1])
+
+
+def _json_edit(tensor: torch.Tensor, **changes) -> torch.Tensor:
+    import json
+
+    state = json.loads(bytes(tensor.tolist())) | changes
+    return torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_a_quantized_weight_whose_parts_sit_in_two_shards_loads_as_from_one_file(
+    models, request, tmp_path, quantization
+):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    single = request.getfixturevalue(f"saved_{quantization}")[0]
+    folder = tmp_path / "model"
+    shutil.copytree(single, folder)
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    # each weight's codes in one shard, their scales, absmax and states in the other
+    codes = {n for n in tensors if n.endswith(("_weight_qdata", ".weight"))}
+    shards = {"model-1.safetensors": codes, "model-2.safetensors": set(tensors) - codes}
+    for file, names in shards.items():
+        save_file({n: tensors[n] for n in names}, folder / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, names in shards.items() for n in names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    outputs = []
+    for model_dir in (single, folder):
+        runner, slots, _ = _runner(model_dir, models["llama"][1])
+        table = BlockManager(runner.num_blocks).allocate(2)
+        outputs.append(runner.forward([SequenceInput([5, 6, 7, 8, 9], 0, table, slots["all8"])]))
+    assert torch.equal(*outputs)
