@@ -16,7 +16,7 @@ from kernels.nf4_linear import dequantize_nf4, quantize_nf4
 from tests.conftest import TINY_ADAPTERS, build_peft_adapter, build_tiny_model
 from tests.fp32_agreement import assert_fp32_agrees
 
-from .test_peft_reference import DECODE_STEPS, ROWS, Peft, _runner, _with_adapters
+from .test_peft_reference import ROWS, Peft, _runner, _with_adapters
 
 # PEFT notes that a layer it did not quantize itself cannot merge; nothing here merges.
 pytestmark = pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated:UserWarning")
@@ -57,6 +57,7 @@ def _dequantized(weight: torch.Tensor, quantization: str) -> torch.Tensor:
 
 
 REFERENCES = {"int8": _int8_reference, "nf4": _nf4_reference}
+DECODE_STEPS = 32  # greedy tokens per prompt after the prefill
 
 
 @pytest.fixture(scope="module")
