@@ -226,6 +226,11 @@ def _tensor_key(
             f".lora_b_t, module one of {', '.join(MODULE_PARENTS)})"
         )
     layer, module = int(match[1]), match[2]
+    if model and module not in model.lora_modules:
+        raise FailedPrecondition(
+            f"{where}: tensor {name} adapts {module}, which LoRA cannot target on this model "
+            f"({model.model_type}: {', '.join(model.lora_modules)})"
+        )
     layers = model.num_layers if model else None
     if layer < 0 or (layers is not None and layer >= layers):
         within = f"0 to {layers - 1}" if layers else "non-negative"

@@ -1,4 +1,5 @@
-"""The base model's architecture, read from an HF config.json (Llama, Mistral, Qwen2)."""
+"""The base model's architecture, read from an HF config.json: dense Llama, Mistral and Qwen2, and
+the mixture-of-experts Qwen3-MoE, Mixtral and OLMoE."""
 
 import json
 from dataclasses import dataclass
@@ -6,7 +7,8 @@ from pathlib import Path
 
 from shared.errors import FailedPrecondition, InvalidArgument
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # PEFT module name -> (packed module, slice index). q/k/v and gate/up run as one matmul each.
@@ -48,6 +50,19 @@ class LinearShape:
     slice_index: int
     in_features: int
     out_features: int
+    experts: int = 1  # an MoE layer's gate/up/down: one such weight per expert
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of every decoder layer: a router picks top_k of num_experts per token
+    (softmax over all experts, then the top k, renormalized to sum 1 when norm_topk_prob), and
+    the token's output is the picked experts' SwiGLU MLPs weighted by those probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_quantization: str = "none"  # "nf4" or "int8": the folder holds pre-quantized weights
+    moe: MoeConfig | None = None  # None: a dense MLP in every layer
+    qk_norm: str = "none"  # "head": RMSNorm of each head's q and k (Qwen3); "full": of all of q, k (OLMoE)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -105,7 +122,7 @@ class ModelConfig:
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         is_qwen2 = model_type == "qwen2"
         window = cfg.get("sliding_window")
-        if is_qwen2 and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
         eos = cfg.get("eos_token_id")
         return cls(
@@ -128,6 +145,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             checkpoint_quantization=_checkpoint_quantization(cfg.get("quantization_config")),
+            moe=_moe_config(cfg) if model_type in MOE_MODEL_TYPES else None,
+            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(model_type, "none"),
         )
 
     @property
@@ -138,9 +157,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def lora_modules(self) -> tuple[str, ...]:
+        """The PEFT module names LoRA may target: every linear layer of a dense model, the attention
+        of an MoE one (its experts are no nn.Linear modules)."""
+        return tuple(name for name, parent in MODULE_PARENTS.items() if not (self.moe and parent == "mlp"))
+
     def linear_shapes(self) -> dict[str, LinearShape]:
         """PEFT module name -> shape, for the linear layers LoRA may target in every block."""
-        h, i = self.hidden_size, self.intermediate_size
+        h = self.hidden_size
+        i = self.moe.intermediate_size if self.moe else self.intermediate_size
+        experts = self.moe.num_experts if self.moe else 1
         in_out = {
             "q_proj": (h, self.q_size),
             "k_proj": (h, self.kv_size),
@@ -151,9 +178,35 @@ class ModelConfig:
             "down_proj": (i, h),
         }
         return {
-            name: LinearShape(*PACKED_MODULES[name], in_features=fin, out_features=fout)
+            name: LinearShape(
+                *PACKED_MODULES[name],
+                in_features=fin,
+                out_features=fout,
+                experts=experts if MODULE_PARENTS[name] == "mlp" else 1,
+            )
             for name, (fin, fout) in in_out.items()
         }
+
+
+def _moe_config(cfg: dict) -> MoeConfig:
+    """Qwen3-MoE and OLMoE name the expert count num_experts (transformers 5 writes Qwen3-MoE's as
+    num_local_experts, as Mixtral's); Mixtral always renormalizes the top k."""
+    model_type = cfg["model_type"]
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise FailedPrecondition(
+            "config.json: dense MLP layers among the sparse ones (mlp_only_layers, decoder_sparse_step) "
+            "are not supported"
+        )
+    if cfg.get("clip_qkv") is not None:
+        raise FailedPrecondition("config.json: clip_qkv is not supported")
+    return MoeConfig(
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"]
+        if model_type == "qwen3_moe"
+        else cfg["intermediate_size"],
+        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+    )
 
 
 def _rope_config(cfg: dict) -> RopeConfig:

@@ -193,12 +193,18 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[in
 
 def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, where: str) -> None:
     layers = range(model.num_layers) if model else sorted({layer for layer, _ in pairs})
-    names = [_module_key(layer, module) for layer in layers for module in MODULE_PARENTS]
-    targeted = set(_targeted(config.target_modules, names, where))
+    modules = model.lora_modules if model else tuple(MODULE_PARENTS)
+    names = [_module_key(layer, module) for layer in layers for module in modules]
+    targeted = set(_targeted(config.target_modules, names, modules, where))
     for layer, module in pairs:
         if model and layer >= model.num_layers:
             raise FailedPrecondition(
                 f"{where}: weights for layer {layer}, the base model has {model.num_layers}"
+            )
+        if module not in modules:
+            raise FailedPrecondition(
+                f"{where}: weights for layers.{layer}.{module}, but the base model's MLP is a mixture of "
+                f"experts ({model.model_type}), whose experts LoRA cannot target here"
             )
         if _module_key(layer, module) not in targeted:
             raise InvalidArgument(
@@ -206,7 +212,9 @@ def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, w
             )
 
 
-def _targeted(targets: tuple[str, ...] | str, names: list[str], where: str) -> list[str]:
+def _targeted(
+    targets: tuple[str, ...] | str, names: list[str], modules: tuple[str, ...], where: str
+) -> list[str]:
     if targets == "all-linear":
         return names
     if isinstance(targets, str):
@@ -220,15 +228,15 @@ def _targeted(targets: tuple[str, ...] | str, names: list[str], where: str) -> l
     for target in targets:
         hits = [n for n in names if n == target or n.endswith("." + target)]
         if not hits:
-            raise FailedPrecondition(f"{where}: {_unknown_target(target)}")
+            raise FailedPrecondition(f"{where}: {_unknown_target(target, modules)}")
         found += hits
     return found
 
 
-def _unknown_target(target: str) -> str:
+def _unknown_target(target: str, modules: tuple[str, ...]) -> str:
     if target.split(".")[-1] in UNSUPPORTED_TARGETS:
         return f"target module {target!r}: LoRA on embeddings and lm_head is not supported"
-    return f"target module {target!r} is not in the base model (LoRA targets: {', '.join(MODULE_PARENTS)})"
+    return f"target module {target!r} is not in the base model (LoRA targets: {', '.join(modules)})"
 
 
 def _module(

@@ -22,9 +22,10 @@ from inference_service.model.decode_buffers import DecodeBuffers
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel
+from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
-from shared.errors import InvalidArgument
+from shared.errors import FailedPrecondition, InvalidArgument
 from shared.model_config import LORA_TARGETS, ModelConfig
 from shared.nonfinite import finite_rows
 
@@ -55,18 +56,24 @@ class ModelRunner:
             self.quantization,
         )
         load_weights(self.model, config.model)
-        self.linear_weight_bytes = weight_bytes(self.model)
+        self.linear_weight_bytes = weight_bytes(self.model) + expert_weight_bytes(self.model)
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        # An MoE step's expert tiles depend on its routing (read on the host): no graph replays it.
+        if self.device.type == "cuda" and config.cuda_graphs and not self.model_config.moe:
             self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
 
     def _quantization(self) -> str:
         """The checkpoint's own format when it is pre-quantized, else what the config asks for."""
         stored, asked = self.model_config.checkpoint_quantization, self.config.quantization
+        if self.model_config.moe and (stored, asked) != ("none", "none"):
+            raise FailedPrecondition(
+                f"model folder {self.config.model}: quantized bases are supported for dense models only, "
+                f"not {self.model_config.model_type}"
+            )
         if stored == "none":
             return asked
         if asked not in ("none", stored):

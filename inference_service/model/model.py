@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, with LoRA on every linear."""
+"""The Llama-family decoder in plain torch, with LoRA on every linear: dense (Llama, Mistral, Qwen2)
+or with a sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE; moe.py)."""
 
 import torch
 import torch.nn.functional as F
@@ -8,6 +9,7 @@ from inference_service.model.attention import attend
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.lora_linear import LoRALinear
+from inference_service.model.moe import SparseMoe
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from shared.model_config import ModelConfig, first_target
 
@@ -45,13 +47,23 @@ class Attention(nn.Module):
         self.o_proj = LoRALinear(
             cfg.q_size, (cfg.hidden_size,), cfg.o_bias, o_memory, dtype, device, quantization
         )
+        if cfg.qk_norm != "none":  # over each head (Qwen3) or over all of q and of k (OLMoE)
+            full = cfg.qk_norm == "full"
+            q_norm, k_norm = (cfg.q_size, cfg.kv_size) if full else (cfg.head_dim, cfg.head_dim)
+            self.q_norm = RMSNorm(q_norm, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(k_norm, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
         qkv = self.qkv_proj(x, batch.lora)  # [tokens, q + 2 kv]
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q = apply_rope(q.view(tokens, cfg.num_heads, cfg.head_dim), cos, sin)  # [tokens, heads, hd]
-        k = apply_rope(k.view(tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [tokens, kv_heads, hd]
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)  # [tokens, heads, hd]
+        k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)  # [tokens, kv_heads, hd]
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         o = attend(q, k, v, cache, self.layer, batch.attention, cfg.head_dim**-0.5)  # [tokens, heads, hd]
         return self.o_proj(o.reshape(tokens, cfg.q_size), batch.lora)
@@ -85,14 +97,20 @@ class DecoderLayer(nn.Module):
         self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device, quantization
     ):
         super().__init__()
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, layer, pool, unit, dtype, device, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, pool, unit, dtype, device, quantization)
+        self.mlp = (
+            SparseMoe(cfg.hidden_size, cfg.moe, dtype, device)
+            if cfg.moe
+            else MLP(cfg, pool, unit, dtype, device, quantization)
+        )
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h) if self.cfg.moe else self.mlp(h, batch))
 
 
 class LlamaModel(nn.Module):

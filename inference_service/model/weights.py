@@ -115,13 +115,39 @@ def _targets(model: LlamaModel) -> dict[str, torch.Tensor | Rows]:
         prefix = f"model.layers.{i}"
         targets[f"{prefix}.input_layernorm.weight"] = layer.input_layernorm.weight
         targets[f"{prefix}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        if cfg.qk_norm != "none":
+            targets[f"{prefix}.self_attn.q_norm.weight"] = layer.self_attn.q_norm.weight
+            targets[f"{prefix}.self_attn.k_norm.weight"] = layer.self_attn.k_norm.weight
+        if cfg.moe:
+            targets |= _expert_targets(cfg, prefix, layer.mlp)
         for name, shape in cfg.linear_shapes().items():
+            if shape.experts > 1:
+                continue
             packed = getattr(getattr(layer, MODULE_PARENTS[name]), shape.packed)
             offset, size = packed.slices[shape.slice_index]
             base = f"{prefix}.{MODULE_PARENTS[name]}.{name}"
             targets[f"{base}.weight"] = Rows(packed.base, offset, (size, packed.in_features))
             if packed.bias is not None:
                 targets[f"{base}.bias"] = packed.bias[offset : offset + size]
+    return targets
+
+
+# Where each checkpoint names a sparse MLP's parts: its folder, and gate, up and down per expert.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+DEFAULT_EXPERT_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def _expert_targets(cfg, prefix: str, moe: nn.Module) -> dict[str, torch.Tensor]:
+    """A sparse MLP's router and every expert's gate, up and down weights, as saved one expert at
+    a time, into the stacked w13 [experts, 2 * inter, hidden] and w2 [experts, hidden, inter]."""
+    folder, gate, up, down = EXPERT_NAMES.get(cfg.model_type, DEFAULT_EXPERT_NAMES)
+    inter = cfg.moe.intermediate_size
+    targets = {f"{prefix}.{folder}.gate.weight": moe.router}
+    for e in range(cfg.moe.num_experts):
+        expert = f"{prefix}.{folder}.experts.{e}"
+        targets[f"{expert}.{gate}.weight"] = moe.w13[e, :inter]
+        targets[f"{expert}.{up}.weight"] = moe.w13[e, inter:]
+        targets[f"{expert}.{down}.weight"] = moe.w2[e]
     return targets
 
 
