@@ -1,4 +1,5 @@
-"""Random PEFT-format LoRA checkpoints for a base model, written without PEFT itself."""
+"""Random PEFT-format LoRA checkpoints for a base model, written without PEFT itself: on an MoE
+model the router and experts as PEFT's target_parameters saves them (shared/peft_experts.py)."""
 
 import json
 from pathlib import Path
@@ -8,32 +9,61 @@ from safetensors.torch import save_file
 
 from shared.model_config import MODULE_PARENTS, ModelConfig
 
+PREFIX = "base_model.model.model.layers"
+
 
 def write_random_adapter(
-    model: ModelConfig, folder: Path, rank: int, seed: int, targets: tuple[str, ...] = tuple(MODULE_PARENTS)
+    model: ModelConfig, folder: Path, rank: int, seed: int, targets: tuple[str, ...] | None = None
 ) -> Path:
-    """adapter_config.json + adapter_model.safetensors with non-zero A and B on `targets`."""
+    """adapter_config.json + adapter_model.safetensors with non-zero A and B on `targets` (LoRA
+    targets; every one of the model's by default)."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
+    targets = targets or model.lora_targets
+    modules = [t for t in targets if not (model.moe and MODULE_PARENTS[t] == "mlp")]
+    parameters = _moe_parameters(targets) if model.moe else []
     shapes = model.linear_shapes()
     tensors = {}
+
+    def pair(key: str, in_features: int, out_features: int, stacked: int = 1) -> None:
+        tensors[f"{key}.lora_A.weight"] = torch.randn(rank * stacked, in_features, generator=gen) * 0.01
+        tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank * stacked, generator=gen) * 0.01
+
     for layer in range(model.num_layers):
-        for name in targets:
-            key = f"base_model.model.model.layers.{layer}.{MODULE_PARENTS[name]}.{name}"
-            tensors[f"{key}.lora_A.weight"] = (
-                torch.randn(rank, shapes[name].in_features, generator=gen) * 0.01
+        for name in modules:
+            pair(
+                f"{PREFIX}.{layer}.{MODULE_PARENTS[name]}.{name}",
+                shapes[name].in_features,
+                shapes[name].out_features,
             )
-            tensors[f"{key}.lora_B.weight"] = (
-                torch.randn(shapes[name].out_features, rank, generator=gen) * 0.01
-            )
+        if "gate.weight" in parameters:
+            pair(f"{PREFIX}.{layer}.mlp.gate", model.hidden_size, model.moe.num_experts)
+        experts = [p for p in parameters if p.startswith("experts.")]
+        for depth, param in enumerate(reversed(experts)):  # the last one wraps the others
+            key = f"{PREFIX}.{layer}.mlp.experts" + ".base_layer" * depth
+            hidden, inter, count = model.hidden_size, model.moe.intermediate_size, model.moe.num_experts
+            in_out = (hidden, 2 * inter) if param == "experts.gate_up_proj" else (inter, hidden)
+            pair(key, *in_out, stacked=count)
     save_file(tensors, folder / "adapter_model.safetensors")
     config = {
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(targets),
+        "target_modules": modules,
+        "target_parameters": parameters,
         "bias": "none",
         "use_rslora": False,
     }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+def _moe_parameters(targets: tuple[str, ...]) -> list[str]:
+    """The PEFT parameter names for an MoE layer's router and expert targets; gate and up are one
+    parameter, so either brings both."""
+    parameters = ["gate.weight"] if "router" in targets else []
+    if {"gate_proj", "up_proj"} & set(targets):
+        parameters.append("experts.gate_up_proj")
+    if "down_proj" in targets:
+        parameters.append("experts.down_proj")
+    return parameters

@@ -3,7 +3,7 @@ adapter's pages lie in the adapter memory.
 
 Adapter memory is one flat pool per layer, in pages of rank rows, for adapters only: S-LoRA's
 unified paging puts adapters and KV cache in one pool, here the KV cache has its own blocks.
-An adapter of rank r on target t (q, k, v, o, gate, up, down: PACKED_MODULES order) holds
+An adapter of rank r on target t (q, k, v, o, gate, up, down: the model's lora_targets) holds
 ceil(r / PAGE_RANK) pages there; its page g holds ranks PAGE_RANK*g .. PAGE_RANK*g + 7 of that
 target, as A rows then B^T rows (scaling merged into B), at a unit offset u of the pool:
 
@@ -33,6 +33,17 @@ class AdapterPages:
 
     ranks: tuple[int, ...]  # [targets]
     pages: tuple[tuple[int, ...], ...]  # [targets][ceil(rank / PAGE_RANK)]
+
+    def of_expert(self, expert: int, shifts: tuple[int, ...]) -> "AdapterPages":
+        """The adapter as one expert sees it: on each target with a shift, the pages' blocks of
+        `expert` (expert * shift units in); the other targets left out (rank 0)."""
+        return AdapterPages(
+            tuple(rank if shift else 0 for rank, shift in zip(self.ranks, shifts, strict=True)),
+            tuple(
+                tuple(u + expert * shift for u in units) if shift else ()
+                for units, shift in zip(self.pages, shifts, strict=True)
+            ),
+        )
 
 
 def page_rows(
@@ -144,6 +155,7 @@ class LoraBatch:
 
     rows: tuple[tuple[PageChunks, ...] | None, ...] | None
     table: SegmentTable | None
+    step: "StepAdapters | None" = None  # what it was built from, for an MoE layer's pairs
 
     @classmethod
     def build(
@@ -156,16 +168,48 @@ class LoraBatch:
         """kernels: take the Triton kernels' path (default: on CUDA) rather than the torch one."""
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
+        step = StepAdapters(token_slots, adapters, device, kernels)
         groups: dict[int, list[int]] = {}  # adapter -> its tokens, in order
         for token, slot in enumerate(token_slots):
             if slot >= 0:
                 groups.setdefault(slot, []).append(token)
         if kernels:
             max_pages = max((len(p) for s in groups for p in adapters[s].pages), default=0)
-            return cls(None, SegmentTable.build(groups, adapters, max_pages, device) if groups else None)
+            return cls(
+                None, SegmentTable.build(groups, adapters, max_pages, device) if groups else None, step
+            )
         targets = len(next(iter(adapters.values())).ranks) if adapters else 0
         rows = tuple(_page_rows(groups, adapters, t, len(token_slots), device) for t in range(targets))
-        return cls(rows, None)
+        return cls(rows, None, step)
+
+    def for_experts(
+        self, pair_tokens: list[int], pair_experts: list[int], shifts: tuple[int, ...]
+    ) -> "LoraBatch | None":
+        """The LoRA work of an MoE layer's (token, expert) pairs: row r is token pair_tokens[r] on
+        expert pair_experts[r], with that token's adapter on the targets `shifts` marks (the
+        experts'), where expert e's block of each page lies e * shifts[t] units past the page's
+        start. None when no pair's token uses an adapter."""
+        slots, experts_of = [], {}  # (adapter, expert) -> its handle in the pairs' batch
+        for token, expert in zip(pair_tokens, pair_experts, strict=True):
+            slot = self.step.token_slots[token]
+            slots.append(experts_of.setdefault((slot, expert), len(experts_of)) if slot >= 0 else -1)
+        if not experts_of:
+            return None
+        adapters = {
+            handle: self.step.adapters[slot].of_expert(expert, shifts)
+            for (slot, expert), handle in experts_of.items()
+        }
+        return LoraBatch.build(slots, adapters, self.step.device, self.step.kernels)
+
+
+@dataclass(frozen=True)
+class StepAdapters:
+    """Which adapter each token of a step uses, and where those adapters lie."""
+
+    token_slots: list[int]
+    adapters: Mapping[int, AdapterPages]
+    device: torch.device | str
+    kernels: bool
 
 
 def _page_rows(

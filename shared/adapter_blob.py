@@ -1,7 +1,8 @@
 """The optimized adapter wire format: one safetensors blob, identified by its sha256.
 
 Tensors are named `layers.{i}.{module}.lora_a` ([rank, in]) and `.lora_b_t` ([rank, out]: B
-transposed, scaling merged), in the serving dtype: the kernels' layout. safetensors writes
+transposed, scaling merged), in the serving dtype: the kernels' layout. An MoE layer's experts
+hold one LoRA per expert, stacked: [experts, rank, in] and [experts, rank, out]. safetensors writes
 metadata keys in hash order, so rank, alpha and the format version sit in one key as sorted
 JSON: the same content always encodes to the same bytes, hence the same digest.
 """
@@ -226,10 +227,10 @@ def _tensor_key(
             f".lora_b_t, module one of {', '.join(MODULE_PARENTS)})"
         )
     layer, module = int(match[1]), match[2]
-    if model and module not in model.lora_modules:
+    if model and module not in model.lora_targets:
         raise FailedPrecondition(
             f"{where}: tensor {name} adapts {module}, which LoRA cannot target on this model "
-            f"({model.model_type}: {', '.join(model.lora_modules)})"
+            f"({model.model_type}: {', '.join(model.lora_targets)})"
         )
     layers = model.num_layers if model else None
     if layer < 0 or (layers is not None and layer >= layers):
@@ -252,28 +253,38 @@ def _tensor_shape(name: str, entry: object, where: str) -> tuple[int, int]:
             f"{where}: tensor {name} has dtype {quoted(dtype)}; F16, BF16 or F32 expected"
         )
     shape = entry.get("shape")
-    if not isinstance(shape, list) or len(shape) != 2 or not all(_is_int(d) and d >= 0 for d in shape):
-        raise FailedPrecondition(f"{where}: tensor {name} has shape {quoted(shape)}; a matrix expected")
+    if (
+        not isinstance(shape, list)
+        or len(shape) not in (2, 3)
+        or not all(_is_int(d) and d >= 0 for d in shape)
+    ):
+        raise FailedPrecondition(
+            f"{where}: tensor {name} has shape {quoted(shape)}; a matrix (or one per expert) expected"
+        )
     return tuple(shape)
 
 
-def _check_module(label: str, pair: dict[str, tuple[int, int]], want: LinearShape | None) -> None:
+def _check_module(label: str, pair: dict[str, tuple[int, ...]], want: LinearShape | None) -> None:
     a, b_t = pair["lora_a"], pair["lora_b_t"]
-    if a[0] != b_t[0] or a[0] < 1:
+    if len(a) != len(b_t) or a[:-1] != b_t[:-1] or a[-2] < 1:
         raise FailedPrecondition(
             f"{label}: lora_a {list(a)} and lora_b_t {list(b_t)} must share a rank of at least 1 "
-            "(their first dimension)"
+            "(and an expert count)"
         )
-    if want is not None and (a[1] != want.in_features or b_t[1] != want.out_features):
+    if want is None:
+        return
+    stack = [want.experts] if want.experts > 1 else []
+    if list(a) != [*stack, a[-2], want.in_features] or list(b_t) != [*stack, a[-2], want.out_features]:
         raise FailedPrecondition(
             f"{label}: lora_a {list(a)} and lora_b_t {list(b_t)}; this worker's model expects "
-            f"[r, {want.in_features}] and [r, {want.out_features}]"
+            f"[{', '.join(map(str, [*stack, 'r', want.in_features]))}] and "
+            f"[{', '.join(map(str, [*stack, 'r', want.out_features]))}]"
         )
 
 
 def _check_ranks(shapes: dict, declared: _Declared, max_rank: int | None, where: str) -> None:
-    (layer, module), pair = max(shapes.items(), key=lambda item: item[1]["lora_a"][0])
-    largest = pair["lora_a"][0]
+    (layer, module), pair = max(shapes.items(), key=lambda item: item[1]["lora_a"][-2])
+    largest = pair["lora_a"][-2]
     if largest != declared.rank:
         raise FailedPrecondition(
             f"{where}: layers.{layer}.{module} has rank {largest}, but the blob's metadata declares "

@@ -11,24 +11,18 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "o
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-# PEFT module name -> (packed module, slice index). q/k/v and gate/up run as one matmul each.
+# LoRA target -> (packed module, slice index). q/k/v and gate/up run as one matmul each. On an
+# MoE model gate/up/down are every expert's (one LoRA per expert) and "router" is the router.
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
     "o_proj": ("o_proj", 0),
+    "router": ("router", 0),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
-# LoRA targets in adapter memory order: a packed module's slices are consecutive targets.
-LORA_TARGETS = tuple(PACKED_MODULES)
-
-
-def first_target(packed: str) -> int:
-    """The target index of a packed module's first slice."""
-    return next(t for t, name in enumerate(LORA_TARGETS) if PACKED_MODULES[name][0] == packed)
-
 
 # Where each PEFT module sits inside a decoder layer, as HF names it.
 MODULE_PARENTS = {
@@ -36,10 +30,14 @@ MODULE_PARENTS = {
     "k_proj": "self_attn",
     "v_proj": "self_attn",
     "o_proj": "self_attn",
+    "router": "mlp",
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+DENSE_TARGETS = tuple(name for name in PACKED_MODULES if name != "router")
+MOE_TARGETS = tuple(PACKED_MODULES)
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")  # on an MoE model
 
 
 @dataclass(frozen=True)
@@ -158,13 +156,18 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def lora_modules(self) -> tuple[str, ...]:
-        """The PEFT module names LoRA may target: every linear layer of a dense model, the attention
-        of an MoE one (its experts are no nn.Linear modules)."""
-        return tuple(name for name, parent in MODULE_PARENTS.items() if not (self.moe and parent == "mlp"))
+    def lora_targets(self) -> tuple[str, ...]:
+        """The LoRA targets, in adapter memory order (a packed module's slices consecutive): every
+        linear layer of a dense model; an MoE model's attention, router and experts."""
+        return MOE_TARGETS if self.moe else DENSE_TARGETS
+
+    def first_target(self, packed: str) -> int:
+        """The target index of a packed module's first slice."""
+        return next(t for t, name in enumerate(self.lora_targets) if PACKED_MODULES[name][0] == packed)
 
     def linear_shapes(self) -> dict[str, LinearShape]:
-        """PEFT module name -> shape, for the linear layers LoRA may target in every block."""
+        """LoRA target -> shape, for the linear layers LoRA may target in every block, in
+        lora_targets order; an expert target's shape is one expert's."""
         h = self.hidden_size
         i = self.moe.intermediate_size if self.moe else self.intermediate_size
         experts = self.moe.num_experts if self.moe else 1
@@ -173,6 +176,7 @@ class ModelConfig:
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),
+            "router": (h, experts),
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
@@ -180,11 +184,11 @@ class ModelConfig:
         return {
             name: LinearShape(
                 *PACKED_MODULES[name],
-                in_features=fin,
-                out_features=fout,
-                experts=experts if MODULE_PARENTS[name] == "mlp" else 1,
+                in_features=in_out[name][0],
+                out_features=in_out[name][1],
+                experts=experts if name in EXPERT_TARGETS else 1,
             )
-            for name, (fin, fout) in in_out.items()
+            for name in self.lora_targets
         }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from shared import peft_experts
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.model_config import MODULE_PARENTS, ModelConfig
 from shared.nonfinite import first_nonfinite
@@ -35,6 +36,7 @@ class LoraConfig:
     target_modules: tuple[str, ...] | str
     rank_pattern: dict
     alpha_pattern: dict
+    target_parameters: tuple[str, ...] = ()  # an MoE layer's router and experts (peft_experts.py)
 
     @classmethod
     def from_json(cls, cfg: dict, where: str) -> "LoraConfig":
@@ -44,11 +46,13 @@ class LoraConfig:
             raise InvalidArgument(f"{where}: r must be a positive integer, got {rank!r}")
         if not isinstance(alpha, int | float):
             raise InvalidArgument(f"{where}: lora_alpha must be a number, got {alpha!r}")
-        targets = cfg.get("target_modules")
-        if not targets or not isinstance(targets, str | list):
+        targets, parameters = cfg.get("target_modules") or (), cfg.get("target_parameters") or []
+        if not isinstance(targets, str | list | tuple) or not isinstance(parameters, list):
             raise InvalidArgument(
-                f"{where}: target_modules must be a non-empty list, a regex or 'all-linear'"
+                f"{where}: target_modules must be a list, a regex or 'all-linear', target_parameters a list"
             )
+        if not targets and not parameters:
+            raise InvalidArgument(f"{where}: target_modules and target_parameters name nothing to adapt")
         return cls(
             rank,
             float(alpha),
@@ -56,6 +60,7 @@ class LoraConfig:
             targets if isinstance(targets, str) else tuple(targets),
             dict(cfg.get("rank_pattern") or {}),
             dict(cfg.get("alpha_pattern") or {}),
+            tuple(parameters),
         )
 
     def scaling(self, module_key: str, rank: int) -> float:
@@ -68,10 +73,15 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class ModuleLora:
-    """One module's LoRA in the kernels' layout: y += b_t^T (a x)."""
+    """One module's LoRA in the kernels' layout: y += b_t^T (a x); an MoE layer's experts hold
+    one per expert, stacked (an expert's tokens use its own)."""
 
-    a: torch.Tensor  # [rank, in]
-    b_t: torch.Tensor  # [rank, out]: PEFT's lora_B transposed, scaling merged
+    a: torch.Tensor  # [rank, in], or [experts, rank, in]
+    b_t: torch.Tensor  # [rank, out] (or [experts, rank, out]): PEFT's lora_B transposed, scaling merged
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[-2]
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,7 @@ class AdapterWeights:
         """PEFT module name -> the largest rank of its weights over layers."""
         ranks: dict[str, int] = {}
         for (_, module), m in self.modules.items():
-            ranks[module] = max(ranks.get(module, 0), m.a.shape[0])
+            ranks[module] = max(ranks.get(module, 0), m.rank)
         return ranks
 
 
@@ -99,17 +109,20 @@ def load_peft_adapter(
     where = f"adapter {name!r}"
     config = LoraConfig.from_json(_read_config(adapter_dir, where), f"{where}: {CONFIG_FILE}")
     tensors = _read_tensors(adapter_dir, where)
-    pairs = _pair_tensors(tensors, where)
+    pairs = _pair_tensors(tensors, peft_experts.targeted_params(config.target_parameters, where), where)
     _check_targets(config, pairs, model, where)
     _check_values(pairs, where)
-    modules = {
-        key: _module(config, key, a, b, model, max_rank, dtype, where) for key, (a, b) in pairs.items()
-    }
+    modules = {}
+    for key, (a, b) in pairs.items():
+        if key[1] in peft_experts.PARAM_KEYS:
+            modules |= _moe_modules(config, key, a, b, model, max_rank, dtype, where)
+        else:
+            modules[key] = _module(config, key, a, b, model, max_rank, dtype, where)
     if not modules:
         raise InvalidArgument(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
     _check_serving_values(modules, dtype, where)
     return AdapterWeights(
-        rank=max(m.a.shape[0] for m in modules.values()),
+        rank=max(m.rank for m in modules.values()),
         alpha=config.alpha,
         target_modules=tuple(sorted({module for _, module in modules})),
         modules=modules,
@@ -125,7 +138,6 @@ def _refuse_unsupported(cfg: dict, where: str) -> None:
         "fan_in_fan_out": "fan_in_fan_out weights are not supported",
         "lora_bias": "a bias on lora_B (lora_bias) is not supported",
         "layer_replication": "layer_replication is not supported",
-        "target_parameters": "target_parameters is not supported",
     }
     for key, why in refusals.items():
         if cfg.get(key):
@@ -173,12 +185,19 @@ def pickle_refusal(where: str, file_name: str) -> InvalidArgument:
     )
 
 
-def _pair_tensors(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[int, str], tuple]:
-    """(layer, module) -> (lora_A, lora_B), every key accounted for."""
+def _pair_tensors(
+    tensors: dict[str, torch.Tensor], targeted: tuple[str, ...], where: str
+) -> dict[tuple[int, str], tuple]:
+    """(layer, module) -> (lora_A, lora_B), every key accounted for; an MoE layer's parameters
+    (`targeted` by target_parameters) as (layer, "router" | "experts.gate_up_proj" | ...)."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        if moe := peft_experts.MOE_KEY.fullmatch(key):
+            param = peft_experts.param_of(moe[2], targeted, key, where)
+            halves.setdefault((int(moe[1]), param), {})[moe[3]] = tensor
+            continue
         m = TENSOR_KEY.fullmatch(key)
-        if not m or MODULE_PARENTS.get(m[3]) != m[2]:
+        if not m or MODULE_PARENTS.get(m[3]) != m[2] or m[3] == "router":
             raise InvalidArgument(
                 f"{where}: tensor {key} is not a LoRA A/B matrix of a decoder linear layer "
                 f"(DoRA vectors, embeddings and modules_to_save are not supported)"
@@ -193,23 +212,41 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[in
 
 def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, where: str) -> None:
     layers = range(model.num_layers) if model else sorted({layer for layer, _ in pairs})
-    modules = model.lora_modules if model else tuple(MODULE_PARENTS)
+    modules = _linear_modules(model)
     names = [_module_key(layer, module) for layer in layers for module in modules]
-    targeted = set(_targeted(config.target_modules, names, modules, where))
+    targeted = (
+        set(_targeted(config.target_modules, names, modules, where)) if config.target_modules else set()
+    )
     for layer, module in pairs:
         if model and layer >= model.num_layers:
             raise FailedPrecondition(
                 f"{where}: weights for layer {layer}, the base model has {model.num_layers}"
             )
+        if module in peft_experts.PARAM_KEYS:
+            if model and not model.moe:
+                raise FailedPrecondition(
+                    f"{where}: weights for layers.{layer}.mlp's {module}, a mixture-of-experts parameter, "
+                    f"but the base model ({model.model_type}) has no experts"
+                )
+            continue  # target_parameters named it (_pair_tensors)
         if module not in modules:
             raise FailedPrecondition(
                 f"{where}: weights for layers.{layer}.{module}, but the base model's MLP is a mixture of "
-                f"experts ({model.model_type}), whose experts LoRA cannot target here"
+                f"experts ({model.model_type}): LoRA on it targets the experts' parameters "
+                "(target_parameters), not modules"
             )
         if _module_key(layer, module) not in targeted:
             raise InvalidArgument(
                 f"{where}: weights for layers.{layer}.{module}, which target_modules does not name"
             )
+
+
+def _linear_modules(model: ModelConfig | None) -> tuple[str, ...]:
+    """The nn.Linear modules LoRA may target by name: every one of a dense model's, the attention's
+    of an MoE model (its router and experts are parameters)."""
+    if model and model.moe:
+        return tuple(m for m in model.lora_targets if MODULE_PARENTS[m] == "self_attn")
+    return tuple(m for m in MODULE_PARENTS if m != "router")
 
 
 def _targeted(
@@ -262,6 +299,37 @@ def _module(
         raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
     b_scaled = b.float() * config.scaling(module_key, rank)  # [out, rank]
     return ModuleLora(a=a.to(dtype).contiguous(), b_t=b_scaled.t().to(dtype).contiguous())
+
+
+def _moe_modules(
+    config: LoraConfig,
+    key: tuple[int, str],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    model: ModelConfig | None,
+    max_rank: int | None,
+    dtype: torch.dtype,
+    where: str,
+) -> dict[tuple[int, str], ModuleLora]:
+    """An MoE layer's router or experts' parameter: its targets' LoRA, per expert for experts."""
+    layer, param = key
+    label = f"{where}: layers.{layer}.mlp.{param}"
+    if model is None:
+        raise FailedPrecondition(
+            f"{label}: LoRA on experts is checked against a base model, and none is configured"
+        )
+    module_key = peft_experts.module_key(layer, param)
+    rank = config.expected_rank(module_key)
+    if max_rank is not None and rank > max_rank:
+        raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
+    scaling = config.scaling(module_key, rank)
+    out = {}
+    for target, (a_t, b_t) in peft_experts.per_expert(param, a, b, rank, model, label).items():
+        b_scaled = b_t.float() * scaling  # [E, out, r] or [out, r]
+        out[(layer, target)] = ModuleLora(
+            a=a_t.to(dtype).contiguous(), b_t=b_scaled.transpose(-1, -2).to(dtype).contiguous()
+        )
+    return out
 
 
 def _check_values(pairs: dict[tuple[int, str], tuple], where: str) -> None:

@@ -8,14 +8,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.lora_batch import PAGE_RANK
-from shared.model_config import LORA_TARGETS, LinearShape, ModelConfig
+from shared.model_config import LinearShape, ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 
 @dataclass(frozen=True)
 class AdapterImage:
-    ranks: tuple[int, ...]  # [targets]: the largest rank over layers, LORA_TARGETS order (0: none)
-    pages: tuple[torch.Tensor, ...]  # [targets] of [pages_t, layers, PAGE_RANK * (in_t + out_t)]
+    ranks: tuple[int, ...]  # [targets]: the largest rank over layers, lora_targets order (0: none)
+    pages: tuple[torch.Tensor, ...]  # [targets] of [pages_t, layers, experts_t * PAGE_RANK * (in_t + out_t)]
 
     @property
     def need(self) -> tuple[int, ...]:
@@ -26,24 +26,28 @@ class AdapterImage:
     def of(cls, weights: AdapterWeights, model: ModelConfig, dtype: torch.dtype) -> "AdapterImage":
         """The image in `dtype` (the serving dtype). Raises ValueError for weights the model
         cannot take: a layer it lacks, or a module shaped for another model."""
-        shapes = model.linear_shapes()
-        ranks = tuple(weights.module_ranks.get(target, 0) for target in LORA_TARGETS)
+        shapes, targets = model.linear_shapes(), model.lora_targets
+        ranks = tuple(weights.module_ranks.get(target, 0) for target in targets)
         pages = tuple(
             torch.empty(
                 -(-rank // PAGE_RANK),
                 model.num_layers,
-                PAGE_RANK * (shapes[target].in_features + shapes[target].out_features),
+                shapes[target].experts
+                * PAGE_RANK
+                * (shapes[target].in_features + shapes[target].out_features),
                 dtype=dtype,
             )
-            for target, rank in zip(LORA_TARGETS, ranks, strict=True)
+            for target, rank in zip(targets, ranks, strict=True)
         )  # [pages_t, layers, page width] each
         placed: set[tuple[int, str]] = set()
         for (layer, module), lora in weights.modules.items():
             if not 0 <= layer < model.num_layers:
                 raise ValueError(f"layers.{layer}.{module}: the model has layers 0..{model.num_layers - 1}")
-            _place(pages[LORA_TARGETS.index(module)][:, layer], lora, module, shapes[module])
+            if module not in targets:
+                raise ValueError(f"layers.{layer}.{module}: LoRA cannot target {module} on this model")
+            _place(pages[targets.index(module)][:, layer], lora, module, shapes[module])
             placed.add((layer, module))
-        for target, image in zip(LORA_TARGETS, pages, strict=True):
+        for target, image in zip(targets, pages, strict=True):
             for layer in range(model.num_layers):
                 if (layer, target) not in placed:
                     image[:, layer].zero_()  # a layer the adapter leaves alone
@@ -56,23 +60,28 @@ class AdapterImage:
 
 def _place(image: torch.Tensor, lora: ModuleLora, module: str, shape: LinearShape) -> None:
     """Write one module's A and B^T rows into its layer's pages `image` [pages, width]: page g
-    holds rank rows PAGE_RANK*g .. PAGE_RANK*g + 7, A's then B^T's."""
-    in_features, out_features = shape.in_features, shape.out_features
-    rank = lora.a.shape[0]
-    if lora.a.shape[1:] != (in_features,) or lora.b_t.shape != (rank, out_features):
+    holds rank rows PAGE_RANK*g .. PAGE_RANK*g + 7, A's then B^T's; an expert target's page holds
+    them for expert 0, then expert 1, ..."""
+    in_features, out_features, experts = shape.in_features, shape.out_features, shape.experts
+    stack = (experts,) if experts > 1 else ()
+    rank = lora.rank
+    if lora.a.shape != (*stack, rank, in_features) or lora.b_t.shape != (*stack, rank, out_features):
         raise ValueError(
             f"{module}: A {tuple(lora.a.shape)} and B^T {tuple(lora.b_t.shape)} do not fit the "
-            f"model's [r, {in_features}] and [r, {out_features}]"
+            f"model's [{', '.join(map(str, [*stack, 'r', in_features]))}] and "
+            f"[{', '.join(map(str, [*stack, 'r', out_features]))}]"
         )
-    a = image[:, : PAGE_RANK * in_features].unflatten(1, (PAGE_RANK, in_features))  # [pages, 8, in]
-    b = image[:, PAGE_RANK * in_features :].unflatten(1, (PAGE_RANK, out_features))  # [pages, 8, out]
+    blocks = image.unflatten(1, (experts, -1))  # [pages, experts, PAGE_RANK * (in + out)]
+    a = blocks[..., : PAGE_RANK * in_features].unflatten(2, (PAGE_RANK, in_features))  # [pages, E, 8, in]
+    b = blocks[..., PAGE_RANK * in_features :].unflatten(2, (PAGE_RANK, out_features))  # [pages, E, 8, out]
+    lora_a, lora_b = lora.a.reshape(experts, rank, in_features), lora.b_t.reshape(experts, rank, out_features)
     full, rest = divmod(rank, PAGE_RANK)
     # zeros for the rank rows past this module's: its last page's tail, the pages a larger rank
     # of the same target in another layer needs
     a[full:].zero_()
     b[full:].zero_()
-    a[:full].copy_(lora.a[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK)))
-    b[:full].copy_(lora.b_t[: full * PAGE_RANK].unflatten(0, (full, PAGE_RANK)))
+    a[:full].copy_(lora_a[:, : full * PAGE_RANK].unflatten(1, (full, PAGE_RANK)).transpose(0, 1))
+    b[:full].copy_(lora_b[:, : full * PAGE_RANK].unflatten(1, (full, PAGE_RANK)).transpose(0, 1))
     if rest:
-        a[full, :rest].copy_(lora.a[full * PAGE_RANK :])
-        b[full, :rest].copy_(lora.b_t[full * PAGE_RANK :])
+        a[full, :, :rest].copy_(lora_a[:, full * PAGE_RANK :])
+        b[full, :, :rest].copy_(lora_b[:, full * PAGE_RANK :])

@@ -2,9 +2,11 @@
 and which go when a new one needs room.
 
 The memory is one pool of `units` equal units (the same unit offsets in every layer). An adapter
-takes, per LoRA target t (LORA_TARGETS order), need[t] pages of PAGE_RANK rank rows; a page of
-target t is a run of page_units[t] contiguous units. Pages of one adapter need not be adjacent,
-so adapters of any rank share the memory without fragmenting it whole-adapter-wise (S-LoRA).
+takes, per LoRA target t (the model's lora_targets order), need[t] pages of PAGE_RANK rank rows;
+a page of target t is a run of page_units[t] contiguous units. A page of an MoE layer's expert
+target holds those rank rows for every expert, one block after another: experts times the units.
+Pages of one adapter need not be adjacent, so adapters of any rank share the memory without
+fragmenting it whole-adapter-wise (S-LoRA).
 """
 
 import bisect
@@ -17,7 +19,7 @@ import torch
 from inference_service.engine.config import EngineConfig
 from kernels.lora_batch import PAGE_RANK
 from shared.errors import InvalidArgument
-from shared.model_config import LORA_TARGETS, ModelConfig
+from shared.model_config import ModelConfig
 
 Pages = tuple[tuple[int, ...], ...]  # [targets][pages]: the first unit of each page, in rank order
 
@@ -33,14 +35,18 @@ class SlotStats:
 
 def unit_elements(model: ModelConfig) -> int:
     """Elements per unit: PAGE_RANK * gcd over targets of (in_features + out_features), so every
-    target's page (PAGE_RANK * (in + out) elements) is a whole number of units."""
-    return PAGE_RANK * math.gcd(*_page_widths(model))
+    target's page (PAGE_RANK * (in + out) elements, times the experts for an expert target) and
+    every expert's block of it is a whole number of units."""
+    return PAGE_RANK * math.gcd(*_block_widths(model))
 
 
 def page_units(model: ModelConfig) -> tuple[int, ...]:
-    """Units per page of each target, LORA_TARGETS order."""
-    unit_width = math.gcd(*_page_widths(model))
-    return tuple(width // unit_width for width in _page_widths(model))
+    """Units per page of each target, lora_targets order."""
+    unit_width = math.gcd(*_block_widths(model))
+    shapes = model.linear_shapes().values()
+    return tuple(
+        width // unit_width * s.experts for width, s in zip(_block_widths(model), shapes, strict=True)
+    )
 
 
 def adapter_bytes(model: ModelConfig, need: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -51,7 +57,7 @@ def adapter_bytes(model: ModelConfig, need: tuple[int, ...], dtype: torch.dtype)
 def slot_memory(model: ModelConfig, loras: int, rank: int, dtype: torch.dtype) -> int:
     """Bytes of `loras` adapters of rank `rank` on every target: what max_loras slots of
     max_lora_rank held before unified memory, the default --adapter-memory."""
-    need = (-(-rank // PAGE_RANK),) * len(LORA_TARGETS)
+    need = (-(-rank // PAGE_RANK),) * len(model.lora_targets)
     return loras * adapter_bytes(model, need, dtype)
 
 
@@ -85,8 +91,8 @@ def _units(need: tuple[int, ...], page_units: tuple[int, ...]) -> int:
     return sum(n * size for n, size in zip(need, page_units, strict=True))
 
 
-def _page_widths(model: ModelConfig) -> list[int]:
-    """in_features + out_features of each target, LORA_TARGETS order."""
+def _block_widths(model: ModelConfig) -> list[int]:
+    """in_features + out_features of each target (of one expert), lora_targets order."""
     return [s.in_features + s.out_features for s in model.linear_shapes().values()]
 
 

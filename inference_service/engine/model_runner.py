@@ -26,7 +26,7 @@ from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.errors import FailedPrecondition, InvalidArgument
-from shared.model_config import LORA_TARGETS, ModelConfig
+from shared.model_config import ModelConfig
 from shared.nonfinite import finite_rows
 
 
@@ -148,7 +148,7 @@ class ModelRunner:
             self.config.block_size,
             self.num_blocks,  # the scratch block
             self.model_config.sliding_window,
-            len(LORA_TARGETS),
+            len(self.model_config.lora_targets),
             -(-self.config.max_lora_rank // PAGE_RANK),
             self.device,
         )
@@ -198,7 +198,9 @@ class ModelRunner:
         image holds the zeros of rank rows past each module's rank, so nothing is zeroed."""
         pool, unit = self.model.lora_pool, self.lora_unit  # pool: [layers, units*unit]
         widths = self._page_widths
-        _check_fits(image, pages, pool.shape[0], widths, self.config.max_lora_rank)
+        _check_fits(
+            image, pages, self.model_config.lora_targets, pool.shape[0], widths, self.config.max_lora_rank
+        )
         targets = [pool[:, u * unit : u * unit + widths[t]] for t, units in enumerate(pages) for u in units]
         sources = [page for target_pages in image.pages for page in target_pages]  # [layers, width] each
         torch._foreach_copy_(targets, sources, non_blocking=True)
@@ -210,13 +212,18 @@ class ModelRunner:
 
 
 def _check_fits(
-    image: AdapterImage, pages: tuple[tuple[int, ...], ...], num_layers: int, widths: list[int], max_rank: int
+    image: AdapterImage,
+    pages: tuple[tuple[int, ...], ...],
+    targets: tuple[str, ...],
+    num_layers: int,
+    widths: list[int],
+    max_rank: int,
 ) -> None:
     """Refuse an image the memory's layout cannot hold (a loader that skipped its checks): a
     rank past max_lora_rank (the step tables hold that many pages), or pages not shaped as
     this model's pages and the ones acquired for it."""
     for target, rank, image_pages, units, width in zip(
-        LORA_TARGETS, image.ranks, image.pages, pages, widths, strict=True
+        targets, image.ranks, image.pages, pages, widths, strict=True
     ):
         if rank > max_rank:
             raise ValueError(f"{target} has rank {rank}, above max_lora_rank {max_rank}")

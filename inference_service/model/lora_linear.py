@@ -49,21 +49,33 @@ class LoRALinear(nn.Module):
         y = self.base(x, self.bias)  # [tokens, out]
         if lora is None:
             return y
-        if lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing
-            slices = len(self.slices)
-            partials = lora_shrink_triton(x, self.pool, lora.table, self.first_target, slices, self.unit)
-            return lora_expand_triton(
-                y, partials, self.pool, lora.table, self.first_target, self.slice_sizes, x.shape[1], self.unit
-            )
-        rows = lora.rows[self.first_target : self.first_target + len(self.slices)] if lora.rows else ()
-        if not any(rows):
-            return y
-        if any(work.gather is not None for target_rows in rows if target_rows for work in target_rows):
-            x = F.pad(x, (0, 0, 0, 1))  # [tokens + 1, in]: padding rows read the zero row
-        for (offset, size), target_rows in zip(self.slices, rows, strict=True):
-            for work in target_rows or ():
-                lora_bmm(y[:, offset : offset + size], x, self.pool, self.unit, work)
+        return add_lora(y, x, lora, self.pool, self.unit, self.first_target, self.slice_sizes)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora: LoraBatch,
+    pool: torch.Tensor,
+    unit: int,
+    first_target: int,
+    slice_sizes: tuple[int, ...],
+) -> torch.Tensor:
+    """y[:, slice s] += B_t A_t x for each row's adapter on target t = first_target + s (y [rows,
+    sum(slice_sizes)], x [rows, in]), the rows being a step's tokens or an MoE layer's (token,
+    expert) pairs; updated in place where it can be, and returned."""
+    if lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing
+        partials = lora_shrink_triton(x, pool, lora.table, first_target, len(slice_sizes), unit)
+        return lora_expand_triton(y, partials, pool, lora.table, first_target, slice_sizes, x.shape[1], unit)
+    rows = lora.rows[first_target : first_target + len(slice_sizes)] if lora.rows else ()
+    if not any(rows):
         return y
+    if any(work.gather is not None for target_rows in rows if target_rows for work in target_rows):
+        x = F.pad(x, (0, 0, 0, 1))  # [rows + 1, in]: padding rows read the zero row
+    for (offset, size), target_rows in zip(_slice_offsets(slice_sizes), rows, strict=True):
+        for work in target_rows or ():
+            lora_bmm(y[:, offset : offset + size], x, pool, unit, work)
+    return y
 
 
 def _slice_offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

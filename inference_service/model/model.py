@@ -11,7 +11,8 @@ from inference_service.model.kv_cache import KVCache
 from inference_service.model.lora_linear import LoRALinear
 from inference_service.model.moe import SparseMoe
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
-from shared.model_config import ModelConfig, first_target
+from kernels.lora_batch import LoraBatch
+from shared.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -38,12 +39,12 @@ class Attention(nn.Module):
             cfg.hidden_size,
             (cfg.q_size, kv, kv),
             cfg.qkv_bias,
-            (pool, unit, first_target("qkv_proj")),
+            (pool, unit, cfg.first_target("qkv_proj")),
             dtype,
             device,
             quantization,
         )
-        o_memory = (pool, unit, first_target("o_proj"))
+        o_memory = (pool, unit, cfg.first_target("o_proj"))
         self.o_proj = LoRALinear(
             cfg.q_size, (cfg.hidden_size,), cfg.o_bias, o_memory, dtype, device, quantization
         )
@@ -77,19 +78,19 @@ class MLP(nn.Module):
             cfg.hidden_size,
             (inter, inter),
             cfg.mlp_bias,
-            (pool, unit, first_target("gate_up_proj")),
+            (pool, unit, cfg.first_target("gate_up_proj")),
             dtype,
             device,
             quantization,
         )
-        down_memory = (pool, unit, first_target("down_proj"))
+        down_memory = (pool, unit, cfg.first_target("down_proj"))
         self.down_proj = LoRALinear(
             inter, (cfg.hidden_size,), cfg.mlp_bias, down_memory, dtype, device, quantization
         )
 
-    def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)  # [tokens, inter] each
-        return self.down_proj(F.silu(gate) * up, batch.lora)
+    def forward(self, x, lora: LoraBatch | None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)  # [tokens, inter] each
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -97,20 +98,18 @@ class DecoderLayer(nn.Module):
         self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device, quantization
     ):
         super().__init__()
-        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, layer, pool, unit, dtype, device, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = (
-            SparseMoe(cfg.hidden_size, cfg.moe, dtype, device)
+            SparseMoe(cfg, pool, unit, dtype, device)
             if cfg.moe
             else MLP(cfg, pool, unit, dtype, device, quantization)
         )
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h) if self.cfg.moe else self.mlp(h, batch))
+        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
 
 
 class LlamaModel(nn.Module):

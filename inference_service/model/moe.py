@@ -1,51 +1,83 @@
 """The sparse MLP of a mixture-of-experts decoder layer (Qwen3-MoE, Mixtral, OLMoE): a router
 picks top_k experts per token, and each picked expert's SwiGLU MLP runs on the tokens that picked
-it (kernels/moe_gemm.py), weighted by the router's probabilities."""
+it (kernels/moe_gemm.py), weighted by the router's probabilities.
+
+LoRA: the router is a LoRALinear (its logits gain each token's adapter's delta), and every expert
+has its own LoRA on gate, up and down, applied to the (token, expert) pairs the router chose, each
+pair with its token's adapter and its expert's block of that adapter's pages.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_service.model.lora_linear import LoRALinear, add_lora
+from kernels.lora_batch import PAGE_RANK, LoraBatch
 from kernels.moe_gemm import ExpertPlan, combine, moe_gemm, moe_gemm_triton
-from shared.model_config import MoeConfig
+from shared.model_config import EXPERT_TARGETS, ModelConfig
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoeConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, dtype, device):
         super().__init__()
-        self.moe = moe
-        experts, inter = moe.num_experts, moe.intermediate_size
+        self.moe = moe = cfg.moe
+        hidden, experts, inter = cfg.hidden_size, moe.num_experts, moe.intermediate_size
+        self.router = LoRALinear(
+            hidden, (experts,), False, (pool, unit, cfg.first_target("router")), dtype, device
+        )
 
         def weight(*shape):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
-        self.router = weight(experts, hidden_size)
-        self.w13 = weight(experts, 2 * inter, hidden_size)  # each expert's gate rows, then its up rows
-        self.w2 = weight(experts, hidden_size, inter)
+        self.w13 = weight(experts, 2 * inter, hidden)  # each expert's gate rows, then its up rows
+        self.w2 = weight(experts, hidden, inter)
+        self.pool, self.unit = pool, unit
+        self.gate_up_target, self.down_target = (
+            cfg.first_target("gate_up_proj"),
+            cfg.first_target("down_proj"),
+        )
+        # units between two experts' blocks of a page (each PAGE_RANK rows of A then of B^T), on
+        # the expert targets only: gate and up map hidden to inter, down inter to hidden
+        block_units = PAGE_RANK * (hidden + inter) // unit
+        self.shifts = tuple(block_units if t in EXPERT_TARGETS else 0 for t in cfg.lora_targets)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, lora: LoraBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (topk_weights [tokens, top_k] fp32, topk_ids [tokens, top_k]):
         softmax over every expert in fp32, the top k, renormalized when the model says so."""
-        probs = F.linear(x, self.router).float().softmax(dim=-1)  # [tokens, experts]
+        probs = self.router(x, lora).float().softmax(dim=-1)  # [tokens, experts]
         weights, ids = probs.topk(self.moe.top_k, dim=-1)  # [tokens, top_k] each
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        weights, ids = self.route(x, lora)
         plan = ExpertPlan.build(ids, self.moe.num_experts)
+        pairs = self._pair_lora(plan, lora)
         gemm = moe_gemm_triton if x.is_cuda else moe_gemm
-        gate, up = gemm(x, self.w13, plan, gather=True).chunk(2, dim=-1)  # [pairs, inter] each
-        y = gemm(F.silu(gate) * up, self.w2, plan, gather=False)  # [pairs, hidden]
+        h = gemm(x, self.w13, plan, gather=True)  # [pairs, 2 * inter]
+        inter = h.shape[1] // 2
+        if pairs is not None:
+            add_lora(h, x[plan.tokens], pairs, self.pool, self.unit, self.gate_up_target, (inter, inter))
+        gate, up = h.chunk(2, dim=-1)  # [pairs, inter] each
+        act = F.silu(gate) * up
+        y = gemm(act, self.w2, plan, gather=False)  # [pairs, hidden]
+        if pairs is not None:
+            add_lora(y, act, pairs, self.pool, self.unit, self.down_target, (y.shape[1],))
         return combine(y, plan, weights)  # [tokens, hidden]
+
+    def _pair_lora(self, plan: ExpertPlan, lora: LoraBatch | None) -> LoraBatch | None:
+        if lora is None:
+            return None
+        experts = [e for e, count in enumerate(plan.counts) for _ in range(count)]  # of each sorted pair
+        return lora.for_experts(plan.tokens.tolist(), experts, self.shifts)
 
 
 def expert_weight_bytes(module: nn.Module) -> int:
-    """Bytes the routers and experts of every sparse MLP under `module` hold."""
+    """Bytes the experts of every sparse MLP under `module` hold (their routers are LoRALinears)."""
     return sum(
         p.numel() * p.element_size()
         for m in module.modules()
         if isinstance(m, SparseMoe)
-        for p in m.parameters()
+        for p in m.parameters(recurse=False)
     )

@@ -121,8 +121,8 @@ def _targets(model: LlamaModel) -> dict[str, torch.Tensor | Rows]:
         if cfg.moe:
             targets |= _expert_targets(cfg, prefix, layer.mlp)
         for name, shape in cfg.linear_shapes().items():
-            if shape.experts > 1:
-                continue
+            if MODULE_PARENTS[name] == "mlp" and cfg.moe:
+                continue  # _expert_targets
             packed = getattr(getattr(layer, MODULE_PARENTS[name]), shape.packed)
             offset, size = packed.slices[shape.slice_index]
             base = f"{prefix}.{MODULE_PARENTS[name]}.{name}"
@@ -137,12 +137,14 @@ EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 DEFAULT_EXPERT_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
-def _expert_targets(cfg, prefix: str, moe: nn.Module) -> dict[str, torch.Tensor]:
+def _expert_targets(cfg, prefix: str, moe: nn.Module) -> dict[str, torch.Tensor | Rows]:
     """A sparse MLP's router and every expert's gate, up and down weights, as saved one expert at
     a time, into the stacked w13 [experts, 2 * inter, hidden] and w2 [experts, hidden, inter]."""
     folder, gate, up, down = EXPERT_NAMES.get(cfg.model_type, DEFAULT_EXPERT_NAMES)
     inter = cfg.moe.intermediate_size
-    targets = {f"{prefix}.{folder}.gate.weight": moe.router}
+    targets = {
+        f"{prefix}.{folder}.gate.weight": Rows(moe.router.base, 0, (cfg.moe.num_experts, cfg.hidden_size))
+    }
     for e in range(cfg.moe.num_experts):
         expert = f"{prefix}.{folder}.experts.{e}"
         targets[f"{expert}.{gate}.weight"] = moe.w13[e, :inter]

@@ -8,7 +8,7 @@ import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
 from kernels.lora_batch import PAGE_RANK
-from shared.model_config import LORA_TARGETS, ModelConfig
+from shared.model_config import ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 
@@ -52,11 +52,67 @@ def test_every_page_of_every_layer_holds_its_rank_rows_and_zeros_elsewhere(tiny_
     image = AdapterImage.of(weights, model, torch.float32)
     assert image.ranks == (12, 0, 16, 0, 0, 0, 3)
     assert image.need == (2, 0, 2, 0, 0, 0, 1)  # the largest rank of each target over layers
-    for target, pages in zip(LORA_TARGETS, image.pages, strict=True):
+    for target, pages in zip(model.lora_targets, image.pages, strict=True):
         for page in range(pages.shape[0]):
             for layer in range(model.num_layers):
                 expected = _expected_page(weights, layer, target, page, model)
                 assert torch.equal(pages[page, layer], expected), (target, page, layer)
+
+
+MOE = dict(
+    model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+    num_experts_per_tok=2,
+)  # fmt: skip
+
+
+def test_an_expert_targets_page_holds_every_experts_rank_rows_one_block_after_another():
+    model = ModelConfig.from_dict(MOE)
+    generator = torch.Generator().manual_seed(0)
+    a, b_t = (
+        torch.randn(4, 10, 32, generator=generator),
+        torch.randn(4, 10, 16, generator=generator),
+    )  # [E, r, *]
+    weights = AdapterWeights(10, 20.0, ("gate_proj",), {(1, "gate_proj"): ModuleLora(a, b_t)})
+    _dirty_freed_memory(AdapterImage.of(weights, model, torch.float32))
+    image = AdapterImage.of(weights, model, torch.float32)
+    gate = model.lora_targets.index("gate_proj")
+    assert model.lora_targets == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "router",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    assert image.need == (0, 0, 0, 0, 0, 2, 0, 0)
+    pages = image.pages[gate]  # [2, layers, experts * 8 * (32 + 16)]
+    assert pages.shape == (2, 2, 4 * PAGE_RANK * 48)
+    assert (pages[:, 0] == 0).all()  # layer 0 left alone
+    blocks = pages[:, 1].unflatten(1, (4, PAGE_RANK * 48))  # [pages, experts, block]
+    for expert in range(4):
+        for page in range(2):
+            rows = slice(PAGE_RANK * page, PAGE_RANK * (page + 1))
+            want_a, want_b = torch.zeros(PAGE_RANK, 32), torch.zeros(PAGE_RANK, 16)
+            want_a[: len(a[expert, rows])], want_b[: len(a[expert, rows])] = (
+                a[expert, rows],
+                b_t[expert, rows],
+            )
+            assert torch.equal(blocks[page, expert], torch.cat([want_a.flatten(), want_b.flatten()])), (
+                expert,
+                page,
+            )
+
+
+def test_an_expert_lora_for_another_expert_count_is_refused():
+    model = ModelConfig.from_dict(MOE)
+    lora = ModuleLora(torch.zeros(3, 4, 32), torch.zeros(3, 4, 16))  # 3 experts, the model has 4
+    with pytest.raises(ValueError, match=re.escape("gate_proj: A (3, 4, 32) and B^T (3, 4, 16) do not fit")):
+        AdapterImage.of(
+            AdapterWeights(4, 8.0, ("gate_proj",), {(0, "gate_proj"): lora}), model, torch.float32
+        )
 
 
 def test_the_image_is_in_the_serving_dtype(tiny_models):

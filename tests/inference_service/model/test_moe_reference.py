@@ -1,38 +1,46 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE) against transformers + PEFT: tiny
-random-weight models (hidden 128, 8 experts, top-2) with three attention adapters, mixed in one
-batch with requests on the base model, 9 prompts x 32 greedy tokens. The reference runs its
-experts eagerly (one matmul per expert, as ours on the CPU), in fp32 and in float64."""
+random-weight models (hidden 128, 8 experts, top-2) with four adapters on attention, router and
+experts, mixed in one batch with requests on the base model, 10 prompts x 32 greedy tokens. The
+reference runs its experts eagerly (one matmul per expert, as ours on the CPU), in fp32 and in
+float64; PEFT runs LoRA on experts (target_parameters) one adapter at a time, merging each
+expert's delta into its weight, so each adapter's requests run as a batch of their own there."""
 
 import pytest
 import torch
 
+from bench.random_adapter import write_random_adapter
 from inference_service.engine.block_manager import BlockManager
 from inference_service.model.forward_batch import SequenceInput
+from shared.model_config import ModelConfig
 from tests.conftest import build_peft_adapter, build_tiny_model
 from tests.fp32_agreement import assert_fp32_agrees
 
-from .test_peft_reference import Peft, _runner, _with_adapters
+from .test_peft_reference import _runner
 
 MOE_MODELS = {
     "qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, head_dim=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=8, intermediate_size=64),
     "olmoe": dict(num_experts=8, intermediate_size=64, norm_topk_prob=False),
 }
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {
-    "all8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "ko6rs": dict(r=6, lora_alpha=12, use_rslora=True, target_modules=["k_proj", "o_proj"]),
+    "attn8": dict(r=8, lora_alpha=16, target_modules=ATTENTION),
+    "experts4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
+    "all6": dict(r=6, lora_alpha=12, target_modules="all-linear"),  # PEFT adds the router and experts
+    "down5rs": dict(r=5, lora_alpha=10, use_rslora=True, target_modules=[], target_parameters=["down_proj"]),
 }
 ROWS = [
-    ("all8", 7),
+    ("attn8", 7),
     (None, 5),
-    ("qv4", 9),
-    ("ko6rs", 3),
-    ("all8", 6),
-    ("qv4", 8),
+    ("experts4", 9),
+    ("all6", 3),
+    ("down5rs", 6),
+    ("experts4", 8),
     (None, 4),
-    ("ko6rs", 2),
-    ("all8", 5),
+    ("all6", 2),
+    ("attn8", 5),
+    ("bench", 4),
 ]
 DECODE_STEPS = 32
 
@@ -48,17 +56,49 @@ def moe_model(request, tmp_path_factory) -> tuple:
         name: build_peft_adapter(folder, root / name, seed=i + 1, **lora)
         for i, (name, lora) in enumerate(ADAPTERS.items())
     }
+    # the benchmarks' adapters, written without PEFT: PEFT must read them as we do
+    adapters["bench"] = write_random_adapter(ModelConfig.from_dir(folder), root / "bench", rank=4, seed=9)
     return model_type, folder, adapters
 
 
-def _reference(model_dir, adapter_dirs) -> Peft:
-    from transformers import AutoModelForCausalLM
+class PerAdapterPeft:
+    """transformers + PEFT in fp32 and float64, one model per adapter (PEFT runs one adapter with
+    target_parameters at a time) and the base model alone."""
 
-    models = [
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
-        for dtype in (torch.float32, torch.float64)
-    ]
-    return Peft(model_dir, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in models])
+    def __init__(self, model_dir, adapter_dirs):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        def base(dtype):
+            return AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, experts_implementation="eager"
+            )
+
+        self.models = {
+            name: [
+                (PeftModel.from_pretrained(base(dtype), folder) if folder else base(dtype)).eval()
+                for dtype in (torch.float32, torch.float64)
+            ]
+            for name, folder in [(None, None), *adapter_dirs.items()]
+        }
+
+    def logits(self, sequences: list[list[int]], adapters: list[str | None]) -> list[list[torch.Tensor]]:
+        """Per precision (fp32, float64), per sequence: logits [len, vocab], each adapter's
+        sequences as one right-padded batch."""
+        out = [[None] * len(sequences) for _ in range(2)]
+        for name, models in self.models.items():
+            rows = [i for i, a in enumerate(adapters) if a == name]
+            if not rows:
+                continue
+            width = max(len(sequences[i]) for i in rows)
+            ids = torch.tensor([sequences[i] + [0] * (width - len(sequences[i])) for i in rows])
+            mask = torch.tensor([[1] * len(sequences[i]) + [0] * (width - len(sequences[i])) for i in rows])
+            for precision, model in enumerate(models):
+                with torch.no_grad():
+                    logits = model(input_ids=ids, attention_mask=mask).logits
+                for j, i in enumerate(rows):
+                    out[precision][i] = logits[j, : len(sequences[i])]
+        return out
 
 
 class RouterMargins:
@@ -66,11 +106,12 @@ class RouterMargins:
     the k-th and the (k+1)-th expert's probability: a near-tie there may flip our top-k (and
     the tokens after it) without any defect, so a failure names it."""
 
-    def __init__(self, reference: Peft, top_k: int):
+    def __init__(self, reference: PerAdapterPeft, top_k: int):
         self.smallest, self.top_k = float("inf"), top_k
-        for name, module in reference.models[1].named_modules():
-            if name.endswith("mlp.gate"):
-                module.register_forward_hook(self._record)
+        for _, fp64 in reference.models.values():
+            for name, module in fp64.named_modules():
+                if name.endswith("mlp.gate"):
+                    module.register_forward_hook(self._record)
 
     def _record(self, module, inputs, outputs) -> None:
         logits = outputs[0] if isinstance(outputs, tuple) else outputs  # [tokens, experts]
@@ -84,7 +125,7 @@ class RouterMargins:
 
 def test_a_mixed_batch_on_an_moe_model_matches_peft(moe_model):
     model_type, model_dir, adapter_dirs = moe_model
-    reference = _reference(model_dir, adapter_dirs)
+    reference = PerAdapterPeft(model_dir, adapter_dirs)
     margins = RouterMargins(reference, top_k=2)
     runner, slots, _ = _runner(model_dir, adapter_dirs)
     assert runner.model_config.moe.num_experts == 8
@@ -129,7 +170,6 @@ def test_lora_on_an_moe_models_mlp_is_refused_naming_the_layer(moe_model, tmp_pa
     """Its experts are no nn.Linear modules: a dense model's MLP adapter of the same shapes would
     otherwise load and change nothing."""
     from shared.errors import FailedPrecondition
-    from shared.model_config import ModelConfig
     from shared.peft_checkpoint import load_peft_adapter
 
     _, model_dir, _ = moe_model

@@ -96,7 +96,7 @@ def _runner(
     slots = {}
     for name, path in adapter_dirs.items():
         image = _image(runner, name, path)
-        filler, _ = memory.acquire(f"filler-{name}", (1,) * 7)  # a gap before the adapter's next page
+        filler, _ = memory.acquire(f"filler-{name}", (1,) * len(runner.model_config.lora_targets))  # a gap
         slots[name], _ = memory.acquire(name, image.need)
         runner.load_slot(slots[name], image, memory.pages(slots[name]))
         memory.release(filler)
