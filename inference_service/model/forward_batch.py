@@ -28,6 +28,7 @@ class ForwardBatch:
     attention: AttentionMetadata
     lora: LoraBatch | None  # None when no token uses an adapter
     logit_rows: torch.Tensor  # [rows] which hidden rows get logits (last token per sequence, or all)
+    kernels: bool = True  # the Triton kernels' path (attention, LoRA, experts)
 
     @classmethod
     def build(
@@ -43,6 +44,8 @@ class ForwardBatch:
         """adapters[s]: where the adapter of handle s lies in adapter memory (every handle the
         sequences use). kernels: attention and LoRA take the Triton kernels' path (default: on
         CUDA)."""
+        if kernels is None:
+            kernels = torch.device(device).type == "cuda"
         chunks, token_ids, slots, start = [], [], [], 0
         for s in seqs:
             chunks.append(SequenceChunk(s.block_table, s.cached, len(s.token_ids), start))
@@ -59,4 +62,5 @@ class ForwardBatch:
             logit_rows=torch.arange(start, device=device)
             if all_logits
             else torch.tensor(last_rows, dtype=torch.int64, device=device),
+            kernels=kernels,
         )

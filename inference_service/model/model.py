@@ -11,7 +11,6 @@ from inference_service.model.kv_cache import KVCache
 from inference_service.model.lora_linear import LoRALinear
 from inference_service.model.moe import SparseMoe
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
-from kernels.lora_batch import LoraBatch
 from shared.model_config import ModelConfig
 
 
@@ -88,9 +87,9 @@ class MLP(nn.Module):
             inter, (cfg.hidden_size,), cfg.mlp_bias, down_memory, dtype, device, quantization
         )
 
-    def forward(self, x, lora: LoraBatch | None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)  # [tokens, inter] each
-        return self.down_proj(F.silu(gate) * up, lora)
+    def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)  # [tokens, inter] each
+        return self.down_proj(F.silu(gate) * up, batch.lora)
 
 
 class DecoderLayer(nn.Module):
@@ -109,7 +108,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
 class LlamaModel(nn.Module):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.lora_linear import LoRALinear, add_lora
 from kernels.lora_batch import PAGE_RANK, LoraBatch
 from kernels.moe_gemm import ExpertPlan, combine, moe_gemm, moe_gemm_triton
@@ -50,11 +51,11 @@ class SparseMoe(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        weights, ids = self.route(x, lora)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        weights, ids = self.route(x, batch.lora)
         plan = ExpertPlan.build(ids, self.moe.num_experts)
-        pairs = self._pair_lora(plan, lora)
-        gemm = moe_gemm_triton if x.is_cuda else moe_gemm
+        pairs = self._pair_lora(plan, batch.lora)
+        gemm = moe_gemm_triton if batch.kernels else moe_gemm
         h = gemm(x, self.w13, plan, gather=True)  # [pairs, 2 * inter]
         inter = h.shape[1] // 2
         if pairs is not None:

@@ -123,7 +123,10 @@ class RouterMargins:
         return f"smallest router top-{self.top_k} margin in the reference: {self.smallest:.3g}"
 
 
-def test_a_mixed_batch_on_an_moe_model_matches_peft(moe_model):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
+def test_a_mixed_batch_on_an_moe_model_matches_peft(moe_model, kernels):
+    """On the torch path, and on the Triton kernels' path (attention, LoRA on tokens and on
+    (token, expert) pairs, the experts' grouped matmuls; in the interpreter here, 4 decode steps)."""
     model_type, model_dir, adapter_dirs = moe_model
     reference = PerAdapterPeft(model_dir, adapter_dirs)
     margins = RouterMargins(reference, top_k=2)
@@ -139,16 +142,17 @@ def test_a_mixed_batch_on_an_moe_model_matches_peft(moe_model):
     logits = runner.forward(
         [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
         all_logits=True,
+        kernels=kernels,
     )
     expected, exact = reference.logits(sequences, adapters)
     assert_fp32_agrees(logits, torch.cat(expected), torch.cat(exact))
-    for step in range(DECODE_STEPS):
+    for step in range(4 if kernels else DECODE_STEPS):
         next_ids = [int(e[-1].argmax()) for e in expected]  # the reference's greedy tokens
         decode = [
             SequenceInput([tok], len(s), t, slot)
             for tok, s, t, slot in zip(next_ids, sequences, tables, slot_of, strict=True)
         ]
-        logits = runner.forward(decode)
+        logits = runner.forward(decode, kernels=kernels)
         sequences = [[*s, tok] for s, tok in zip(sequences, next_ids, strict=True)]
         expected, exact = reference.logits(sequences, adapters)
         assert_fp32_agrees(
