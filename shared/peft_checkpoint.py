@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from shared import peft_experts
 from shared.errors import FailedPrecondition, InvalidArgument
-from shared.model_config import MODULE_PARENTS, ModelConfig
+from shared.model_config import EXPERT_TARGETS, MODULE_PARENTS, ModelConfig
 from shared.nonfinite import first_nonfinite
 
 CONFIG_FILE = "adapter_config.json"
@@ -109,15 +109,22 @@ def load_peft_adapter(
     where = f"adapter {name!r}"
     config = LoraConfig.from_json(_read_config(adapter_dir, where), f"{where}: {CONFIG_FILE}")
     tensors = _read_tensors(adapter_dir, where)
-    pairs = _pair_tensors(tensors, peft_experts.targeted_params(config.target_parameters, where), where)
+    pairs = _pair_tensors(tensors, peft_experts.targeted_parameters(config.target_parameters, where), where)
     _check_targets(config, pairs, model, where)
     _check_values(pairs, where)
-    modules = {}
-    for key, (a, b) in pairs.items():
-        if key[1] in peft_experts.PARAM_KEYS:
-            modules |= _moe_modules(config, key, a, b, model, max_rank, dtype, where)
+    modules, experts = {}, {}  # experts: (layer, target) -> expert -> a transformers 4 expert's LoRA
+    for (layer, module), (a, b) in pairs.items():
+        if peft_experts.expert_index(module) is not None:
+            target = peft_experts.per_expert_target(module)
+            lora = _module(config, (layer, module), a, b, model, max_rank, dtype, where, target)
+            experts.setdefault((layer, target), {})[peft_experts.expert_index(module)] = (lora.a, lora.b_t)
+        elif "." in module:
+            modules |= _moe_modules(config, (layer, module), a, b, model, max_rank, dtype, where)
         else:
-            modules[key] = _module(config, key, a, b, model, max_rank, dtype, where)
+            modules[(layer, module)] = _module(config, (layer, module), a, b, model, max_rank, dtype, where)
+    for (layer, target), loras in experts.items():
+        label = f"{where}: layers.{layer}'s experts' {target}"
+        modules[(layer, target)] = ModuleLora(*peft_experts.stack_experts(loras, model, label))
     if not modules:
         raise InvalidArgument(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
     _check_serving_values(modules, dtype, where)
@@ -186,15 +193,16 @@ def pickle_refusal(where: str, file_name: str) -> InvalidArgument:
 
 
 def _pair_tensors(
-    tensors: dict[str, torch.Tensor], targeted: tuple[str, ...], where: str
+    tensors: dict[str, torch.Tensor], parameters: tuple[str, ...], where: str
 ) -> dict[tuple[int, str], tuple]:
-    """(layer, module) -> (lora_A, lora_B), every key accounted for; an MoE layer's parameters
-    (`targeted` by target_parameters) as (layer, "router" | "experts.gate_up_proj" | ...)."""
+    """(layer, module) -> (lora_A, lora_B), every key accounted for; an MoE layer's parts as
+    (layer, their path below the layer) (peft_experts.py), `parameters` being the ones
+    target_parameters names."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         if moe := peft_experts.MOE_KEY.fullmatch(key):
-            param = peft_experts.param_of(moe[2], targeted, key, where)
-            halves.setdefault((int(moe[1]), param), {})[moe[3]] = tensor
+            part = peft_experts.part_of(moe[2], parameters, key, where)
+            halves.setdefault((int(moe[1]), part), {})[moe[3]] = tensor
             continue
         m = TENSOR_KEY.fullmatch(key)
         if not m or MODULE_PARENTS.get(m[3]) != m[2] or m[3] == "router":
@@ -214,26 +222,27 @@ def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, w
     layers = range(model.num_layers) if model else sorted({layer for layer, _ in pairs})
     modules = _linear_modules(model)
     names = [_module_key(layer, module) for layer in layers for module in modules]
-    targeted = (
-        set(_targeted(config.target_modules, names, modules, where)) if config.target_modules else set()
-    )
+    targeted = set(_targeted(config.target_modules, names, model, where)) if config.target_modules else set()
     for layer, module in pairs:
         if model and layer >= model.num_layers:
             raise FailedPrecondition(
                 f"{where}: weights for layer {layer}, the base model has {model.num_layers}"
             )
-        if module in peft_experts.PARAM_KEYS:
-            if model and not model.moe:
+        if "." in module:  # a part of an MoE layer
+            label = f"{where}: layers.{layer}.{module}"
+            if model is None:
+                raise FailedPrecondition(f"{label}: LoRA on experts needs a base model to be checked against")
+            if not model.moe:
                 raise FailedPrecondition(
-                    f"{where}: weights for layers.{layer}.mlp's {module}, a mixture-of-experts parameter, "
-                    f"but the base model ({model.model_type}) has no experts"
+                    f"{label} adapts experts, but the base model ({model.model_type}) has none"
                 )
-            continue  # target_parameters named it (_pair_tensors)
-        if module not in modules:
+            peft_experts.check_part(module, model, label)
+            if module in peft_experts.PARAMETERS:
+                continue  # target_parameters named it (_pair_tensors)
+        elif module not in modules:
             raise FailedPrecondition(
                 f"{where}: weights for layers.{layer}.{module}, but the base model's MLP is a mixture of "
-                f"experts ({model.model_type}): LoRA on it targets the experts' parameters "
-                "(target_parameters), not modules"
+                f"experts ({model.model_type}): LoRA on it targets the router and the experts"
             )
         if _module_key(layer, module) not in targeted:
             raise InvalidArgument(
@@ -242,15 +251,20 @@ def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, w
 
 
 def _linear_modules(model: ModelConfig | None) -> tuple[str, ...]:
-    """The nn.Linear modules LoRA may target by name: every one of a dense model's, the attention's
-    of an MoE model (its router and experts are parameters)."""
-    if model and model.moe:
-        return tuple(m for m in model.lora_targets if MODULE_PARENTS[m] == "self_attn")
-    return tuple(m for m in MODULE_PARENTS if m != "router")
+    """The nn.Linear modules LoRA may target by name, as paths below a layer for an MoE model's
+    router and experts (the modules transformers 4 had; 5 made them parameters)."""
+    if not (model and model.moe):
+        return tuple(m for m in MODULE_PARENTS if m != "router")
+    attention = tuple(m for m in model.lora_targets if MODULE_PARENTS[m] == "self_attn")
+    parent, names = (
+        ("block_sparse_moe", ("w1", "w3", "w2")) if model.model_type == "mixtral" else ("mlp", EXPERT_TARGETS)
+    )
+    experts = tuple(f"{parent}.experts.{e}.{n}" for e in range(model.moe.num_experts) for n in names)
+    return (*attention, f"{parent}.gate", *experts)
 
 
 def _targeted(
-    targets: tuple[str, ...] | str, names: list[str], modules: tuple[str, ...], where: str
+    targets: tuple[str, ...] | str, names: list[str], model: ModelConfig | None, where: str
 ) -> list[str]:
     if targets == "all-linear":
         return names
@@ -265,14 +279,24 @@ def _targeted(
     for target in targets:
         hits = [n for n in names if n == target or n.endswith("." + target)]
         if not hits:
-            raise FailedPrecondition(f"{where}: {_unknown_target(target, modules)}")
+            raise FailedPrecondition(f"{where}: {_unknown_target(target, model)}")
         found += hits
     return found
 
 
-def _unknown_target(target: str, modules: tuple[str, ...]) -> str:
+def _unknown_target(target: str, model: ModelConfig | None) -> str:
     if target.split(".")[-1] in UNSUPPORTED_TARGETS:
         return f"target module {target!r}: LoRA on embeddings and lm_head is not supported"
+    modules = _linear_modules(model)
+    if model and model.moe:  # attention, then one expert's modules stand for every expert's
+        per_expert = [m for m in modules if ".experts." in m]
+        shown = [m for m in modules if ".experts." not in m] + [
+            m.replace(".0.", ".<e>.") for m in per_expert[:3]
+        ]
+        return (
+            f"target module {target!r} is not in the base model (LoRA target modules: {', '.join(shown)}; "
+            f"target_parameters: {', '.join(peft_experts.PARAMETERS)})"
+        )
     return f"target module {target!r} is not in the base model (LoRA targets: {', '.join(modules)})"
 
 
@@ -285,12 +309,15 @@ def _module(
     max_rank: int | None,
     dtype: torch.dtype,
     where: str,
+    target: str | None = None,
 ) -> ModuleLora:
+    """A linear module's LoRA (`target`: the LoRA target whose shape it has, when its path is
+    not that target's name: a transformers 4 expert's)."""
     layer, module = key
     label = f"{where}: layers.{layer}.{module}"
     module_key = _module_key(layer, module)
     rank = a.shape[0]
-    _check_shapes(label, a, b, model.linear_shapes()[module] if model else None)
+    _check_shapes(label, a, b, model.linear_shapes()[target or module] if model else None)
     if rank != config.expected_rank(module_key):
         raise InvalidArgument(
             f"{label}.lora_A has rank {rank}, {CONFIG_FILE} says r={config.expected_rank(module_key)}"
@@ -311,20 +338,17 @@ def _moe_modules(
     dtype: torch.dtype,
     where: str,
 ) -> dict[tuple[int, str], ModuleLora]:
-    """An MoE layer's router or experts' parameter: its targets' LoRA, per expert for experts."""
-    layer, param = key
-    label = f"{where}: layers.{layer}.mlp.{param}"
-    if model is None:
-        raise FailedPrecondition(
-            f"{label}: LoRA on experts is checked against a base model, and none is configured"
-        )
-    module_key = peft_experts.module_key(layer, param)
+    """An MoE layer's router, or a parameter of its stacked experts: its targets' LoRA, per
+    expert for experts."""
+    layer, part = key
+    label = f"{where}: layers.{layer}.{part}"
+    module_key = _module_key(layer, part)
     rank = config.expected_rank(module_key)
     if max_rank is not None and rank > max_rank:
         raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
     scaling = config.scaling(module_key, rank)
     out = {}
-    for target, (a_t, b_t) in peft_experts.per_expert(param, a, b, rank, model, label).items():
+    for target, (a_t, b_t) in peft_experts.stacked(part, a, b, rank, model, label).items():
         b_scaled = b_t.float() * scaling  # [E, out, r] or [out, r]
         out[(layer, target)] = ModuleLora(
             a=a_t.to(dtype).contiguous(), b_t=b_scaled.transpose(-1, -2).to(dtype).contiguous()
@@ -384,6 +408,10 @@ def _check_shapes(label: str, a: torch.Tensor, b: torch.Tensor, shape) -> None:
 
 
 def _module_key(layer: int, module: str) -> str:
+    """The name PEFT matches target_modules, rank_pattern and alpha_pattern against (an MoE
+    layer's parts are named by their path below the layer)."""
+    if "." in module:
+        return f"model.layers.{layer}.{module}"
     return f"model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
 
 

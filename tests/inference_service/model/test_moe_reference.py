@@ -166,17 +166,17 @@ def test_a_mixed_batch_on_an_moe_model_matches_peft(moe_model, kernels):
 @pytest.mark.parametrize(
     ("targets", "says"),
     [
-        (["gate_proj"], r"'gate_proj' is not in the base model \(LoRA targets: q_proj, k_proj, v_proj, o_"),
+        (["gate_proj"], r"layers\.0\.gate_proj, but the base model's MLP is a mixture of experts"),
         (r".*\.(q_proj|up_proj)", r"layers\.0\.up_proj, but the base model's MLP is a mixture of experts"),
     ],
 )  # fmt: skip
 def test_lora_on_an_moe_models_mlp_is_refused_naming_the_layer(moe_model, tmp_path, targets, says):
-    """Its experts are no nn.Linear modules: a dense model's MLP adapter of the same shapes would
-    otherwise load and change nothing."""
+    """A dense model's MLP adapter of the same shapes as an expert: no module of the MoE model
+    has its names (mlp.gate_proj), so it would otherwise load and change nothing."""
     from shared.errors import FailedPrecondition
     from shared.peft_checkpoint import load_peft_adapter
 
-    _, model_dir, _ = moe_model
+    model_type, model_dir, _ = moe_model
     model = ModelConfig.from_dir(model_dir)
     dense = build_tiny_model(
         tmp_path / "dense",
@@ -185,5 +185,85 @@ def test_lora_on_an_moe_models_mlp_is_refused_naming_the_layer(moe_model, tmp_pa
         head_dim=model.head_dim,
     )
     adapter = build_peft_adapter(dense, tmp_path / "mlp", seed=1, r=4, lora_alpha=8, target_modules=targets)
+    if model_type == "mixtral" and targets == ["gate_proj"]:  # its experts had w1, w3, w2: no gate_proj
+        says = (
+            r"'gate_proj' is not in the base model \(LoRA target modules: q_proj, k_proj, v_proj, "
+            r"o_proj, block_sparse_moe\.gate, block_sparse_moe\.experts\.<e>\.w1, .*; "
+            r"target_parameters: mlp\.gate\.weight"
+        )
     with pytest.raises(FailedPrecondition, match=says):
         load_peft_adapter("mlp", adapter, model, 16, torch.float32)
+
+
+def _per_expert_adapter(model_dir, folder, rank: int, seed: int):
+    """A Mixtral adapter as PEFT saved it for transformers 4, whose experts were nn.Linear modules
+    (block_sparse_moe.experts.{e}.w1/w3/w2, the router block_sparse_moe.gate)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = ModelConfig.from_dir(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, experts = model.hidden_size, model.moe.intermediate_size, model.moe.num_experts
+    shapes = {
+        "w1": (hidden, inter),
+        "w3": (hidden, inter),
+        "w2": (inter, hidden),
+        "q_proj": (hidden, model.q_size),
+    }
+    tensors = {}
+
+    def pair(key, in_features, out_features):
+        tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.1
+        tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.1
+
+    for layer in range(model.num_layers):
+        prefix = f"base_model.model.model.layers.{layer}"
+        pair(f"{prefix}.self_attn.q_proj", *shapes["q_proj"])
+        pair(f"{prefix}.block_sparse_moe.gate", hidden, experts)
+        for e in range(experts):
+            for name in ("w1", "w3", "w2"):
+                pair(f"{prefix}.block_sparse_moe.experts.{e}.{name}", *shapes[name])
+    folder.mkdir()
+    save_file(tensors, folder / "adapter_model.safetensors")
+    config = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+        "bias": "none", "target_modules": ["q_proj", "gate", "w1", "w2", "w3"],
+    }  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_mixtral_adapter_saved_per_expert_loads_as_peft_converts_it(tmp_path):
+    """transformers 4's per-expert layout, which PEFT converts to transformers 5's stacked
+    experts on load (for Mixtral): both must compute the same model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    overrides = dict(hidden_size=128, num_experts_per_tok=2, **MOE_MODELS["mixtral"])
+    model_dir = build_tiny_model(tmp_path / "mixtral", "mixtral", **overrides)
+    adapter = _per_expert_adapter(model_dir, tmp_path / "v4", rank=4, seed=3)
+    models = [
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager"),
+            adapter,
+        ).eval()
+        for dtype in (torch.float32, torch.float64)
+    ]
+    runner, slots, _ = _runner(model_dir, {"v4": adapter})
+    gen = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for n in (7, 5, 9)]
+    blocks = BlockManager(runner.num_blocks)
+    inputs = [SequenceInput(s, 0, blocks.allocate(-(-len(s) // 4)), slots["v4"]) for s in sequences]
+    logits = runner.forward(inputs, all_logits=True)
+    expected = []
+    for model in models:
+        with torch.no_grad():
+            expected.append(torch.cat([model(input_ids=torch.tensor([s])).logits[0] for s in sequences]))
+    assert_fp32_agrees(logits, *expected)
+    plain = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation="eager"
+    )
+    with torch.no_grad():
+        base = torch.cat([plain(input_ids=torch.tensor([s])).logits[0] for s in sequences])
+    assert (expected[0] - base).abs().max() > 1e-2  # PEFT did load the adapter
