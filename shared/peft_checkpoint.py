@@ -351,7 +351,7 @@ def _moe_modules(
     for target, (a_t, b_t) in peft_experts.stacked(part, a, b, rank, model, label).items():
         b_scaled = b_t.float() * scaling  # [E, out, r] or [out, r]
         out[(layer, target)] = ModuleLora(
-            a=a_t.to(dtype).contiguous(), b_t=b_scaled.transpose(-1, -2).to(dtype).contiguous()
+            a=a_t.to(dtype, copy=True).contiguous(), b_t=b_scaled.transpose(-1, -2).to(dtype).contiguous()
         )
     return out
 

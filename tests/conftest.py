@@ -114,6 +114,17 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+TINY_MOE = dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE folder: 8 experts of intermediate size 32, top-2."""
+    return build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe", **TINY_MOE)
+
+
 @pytest.fixture(scope="session")
 def tiny_adapters(tiny_models, tmp_path_factory) -> dict[str, dict[str, Path]]:
     """model type -> adapter name -> PEFT adapter folder, for every tiny model."""
