@@ -195,6 +195,8 @@ def model_info(message: inference_pb.ModelInfo) -> ModelInfo:
         max_cpu_loras=message.max_cpu_loras,
         eos_token_ids=list(message.eos_token_ids),
         has_chat_template=message.has_chat_template,
+        num_experts=message.num_experts,
+        experts_per_token=message.experts_per_token,
     )
 
 

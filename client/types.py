@@ -92,3 +92,5 @@ class ModelInfo:
     has_chat_template: bool
     quantization: str = "none"  # the linear layers' base weights: "none", "int8" or "nf4"
     linear_weight_bytes: int = 0  # what those weights take, in their format
+    num_experts: int = 0  # a mixture-of-experts model's experts per layer (0: dense)
+    experts_per_token: int = 0  # how many of them each token runs

@@ -153,6 +153,8 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         adapter_memory_bytes=engine.memory.stats().bytes_total,
         eos_token_ids=tokenizer.eos_token_ids if tokenizer else model.eos_token_ids,
         has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+        num_experts=model.moe.num_experts if model.moe else 0,
+        experts_per_token=model.moe.top_k if model.moe else 0,
     )
 
 

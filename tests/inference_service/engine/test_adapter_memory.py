@@ -45,6 +45,35 @@ def test_smollm2_unit_divides_every_page():
     assert page_units(SMOLLM2) == SMOLLM2_PAGES
 
 
+QWEN3_30B_A3B = ModelConfig.from_dict(
+    {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+    }
+)
+
+
+def test_an_expert_targets_page_holds_every_experts_rank_rows():
+    """q, k, v, o, router, then gate, up, down of all 128 experts: a page of an expert target is
+    128 expert-sized pages, so an adapter on the experts takes 128 times a dense layer's bytes."""
+    assert unit_elements(QWEN3_30B_A3B) == 8 * 128  # gcd(6144, 2560, 2176, 2816) = 128
+    assert page_units(QWEN3_30B_A3B) == (48, 20, 20, 48, 17, 128 * 22, 128 * 22, 128 * 22)
+    down_rank8 = (0, 0, 0, 0, 0, 0, 0, 1)
+    assert adapter_bytes(QWEN3_30B_A3B, down_rank8, torch.bfloat16) == 48 * 128 * 8 * (768 + 2048) * 2
+    rank16 = slot_memory(QWEN3_30B_A3B, 1, 16, torch.bfloat16)
+    assert rank16 == 48 * 2 * 8 * (6144 + 2560 * 2 + 6144 + 2176 + 3 * 128 * 2816) * 2
+
+
 def test_adapter_bytes_scale_with_rank_and_targets():
     small = adapter_bytes(SMOLLM2, QV_RANK8, torch.bfloat16)
     assert small == 30 * (6 + 4) * 1536 * 2
