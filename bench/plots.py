@@ -150,6 +150,17 @@ def quantized(result: dict, path: Path) -> None:
     save(fig, path)
 
 
+def moe(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
+    ratios = {"8 adapters on\nattention, router, experts": result["ratios"]}
+    bars_with_rounds(
+        ax, ratios, "decode tok/s, ratio to no adapters", "LoRA on a mixture-of-experts model, CPU"
+    )
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    save(fig, path)
+
+
 def hf_peft(result: dict, path: Path) -> None:
     values = result["values"]
     fig = Figure(figsize=(6.4, 3.6))

@@ -1,6 +1,7 @@
-"""A random-weight Llama folder (config.json + model.safetensors), for scaling curves on a model
-larger than the default one; written by transformers, so the layout is the one real checkpoints
-have. Deterministic, so it is written once per cache and reused."""
+"""Random-weight model folders (config.json + model.safetensors): a Llama larger than the default
+model for scaling curves, a small mixture-of-experts model for bench.moe; written by transformers,
+so the layout is the one real checkpoints have. Deterministic, so each is written once per cache
+and reused."""
 
 import math
 import shutil
@@ -23,15 +24,44 @@ LARGER_LLAMA = dict(
 )
 
 
+# Granite-3.0-1B-A400M's layer shape (hidden 1024, 32 experts of 512, top-8) as a Qwen3-MoE, with
+# 8 of its 24 layers: a small MoE whose decode steps run in a second on 2 cores.
+SMALL_MOE = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    moe_intermediate_size=512,
+    num_experts=32,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=49155,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+)
+
+
 def larger_llama(models_dir: Path) -> Path:
     """LARGER_LLAMA in `models_dir`, written first if absent."""
     name = f"random-llama-h{LARGER_LLAMA['hidden_size']}-l{LARGER_LLAMA['num_hidden_layers']}"
-    target = models_dir / name
+    return _cached(models_dir / name, lambda folder: write_random_llama(folder, **LARGER_LLAMA))
+
+
+def small_moe(models_dir: Path) -> Path:
+    """SMALL_MOE in `models_dir`, written first if absent."""
+    shape = SMALL_MOE
+    name = f"random-qwen3moe-h{shape['hidden_size']}-e{shape['num_experts']}-l{shape['num_hidden_layers']}"
+    return _cached(models_dir / name, lambda folder: write_random_model(folder, "qwen3_moe", **SMALL_MOE))
+
+
+def _cached(target: Path, write) -> Path:
     if (target / "model.safetensors").is_file():
         return target
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_random_llama(staging, **LARGER_LLAMA)
+        write(staging)
         staging.rename(target)  # readers see the whole folder or none of it
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -43,11 +73,24 @@ def write_random_llama(
 ) -> Path:
     """A Llama of `shape` (LlamaConfig fields) with transformers' own random initialization, built
     in `dtype` on `device`: a GPU draws an 8B model's weights in seconds, the CPU in minutes."""
-    from transformers import AutoModelForCausalLM, LlamaConfig  # the `test` extra, which bench builds on
+    return write_random_model(folder, "llama", seed, dtype, device, **shape)
+
+
+def write_random_model(
+    folder: Path,
+    model_type: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    **shape,
+) -> Path:
+    """A `model_type` model of `shape` (its config's fields) with transformers' own random
+    initialization, built in `dtype` on `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # the `test` extra, which bench builds on
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape), dtype=dtype)
     model.save_pretrained(folder)  # one model.safetensors up to 50 GB
     return folder
 

@@ -22,6 +22,7 @@ from bench import (
     http_serving,
     kv_pressure,
     many_adapters,
+    moe,
     prefix_cache,
     quantized,
     rank_padding,
@@ -92,6 +93,7 @@ BENCHMARKS = (
     Benchmark("kv_pressure", "KV memory under pressure", kv_pressure.kv_pressure, plots.kv_pressure, 2),
     Benchmark("prefix_cache", "Prefix cache", prefix_cache.prefix_cache, plots.prefix_cache, 3),
     Benchmark("quantized", "Quantized base weights", quantized.quantized, plots.quantized, 3),
+    Benchmark("moe", "Mixture of experts", moe.moe, plots.moe, 3),
 )
 
 

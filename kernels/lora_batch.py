@@ -18,7 +18,7 @@ the other targets. Every layer uses the same unit offsets.
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -196,8 +196,7 @@ class LoraBatch:
         if not experts_of:
             return None
         adapters = {
-            handle: self.step.adapters[slot].of_expert(expert, shifts)
-            for (slot, expert), handle in experts_of.items()
+            handle: self.step.of_expert(slot, expert, shifts) for (slot, expert), handle in experts_of.items()
         }
         return LoraBatch.build(slots, adapters, self.step.device, self.step.kernels)
 
@@ -210,6 +209,13 @@ class StepAdapters:
     adapters: Mapping[int, AdapterPages]
     device: torch.device | str
     kernels: bool
+    experts: dict = field(default_factory=dict)  # (slot, expert) -> its pages: the same in every layer
+
+    def of_expert(self, slot: int, expert: int, shifts: tuple[int, ...]) -> AdapterPages:
+        """adapters[slot].of_expert(expert, shifts), built once a step."""
+        if (slot, expert) not in self.experts:
+            self.experts[slot, expert] = self.adapters[slot].of_expert(expert, shifts)
+        return self.experts[slot, expert]
 
 
 def _page_rows(
