@@ -267,3 +267,28 @@ def test_a_mixtral_adapter_saved_per_expert_loads_as_peft_converts_it(tmp_path):
     with torch.no_grad():
         base = torch.cat([plain(input_ids=torch.tensor([s])).logits[0] for s in sequences])
     assert (expected[0] - base).abs().max() > 1e-2  # PEFT did load the adapter
+
+
+def test_an_moe_adapter_on_a_dense_base_is_refused_naming_the_part(moe_model, tiny_models):
+    from shared.errors import FailedPrecondition
+    from shared.peft_checkpoint import load_peft_adapter
+
+    _, _, adapter_dirs = moe_model
+    dense = ModelConfig.from_dir(tiny_models["llama"])
+    with pytest.raises(
+        FailedPrecondition, match=r"layers\.0\.mlp\.experts\.down_proj adapts experts, but the base"
+    ):
+        load_peft_adapter("down5rs", adapter_dirs["down5rs"], dense, 16, torch.float32)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_a_quantized_moe_base_is_refused_by_name(moe_model, quantization):
+    from inference_service.engine.config import EngineConfig
+    from inference_service.engine.model_runner import ModelRunner
+    from shared.errors import FailedPrecondition
+
+    model_type, model_dir, _ = moe_model
+    with pytest.raises(
+        FailedPrecondition, match=f"quantized bases are supported for dense models only, not {model_type}"
+    ):
+        ModelRunner(EngineConfig(model=str(model_dir), quantization=quantization, kv_cache_tokens=256))
