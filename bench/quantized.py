@@ -8,7 +8,6 @@ the order rotating (as bench.rank_padding); medians of per-round ratios.
     .venv/bin/python -m bench.quantized [--repeats 3] [--steps 20]
 """
 
-import argparse
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -16,10 +15,8 @@ from pathlib import Path
 
 import torch
 
-from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
-from bench.rank_padding import WARMUP_STEPS, DecodeCase, build_runner, rotating_rounds
-from bench.report import markdown_table
+from bench.rank_padding import WARMUP_STEPS, DecodeCase, build_runner, decode_main, rotating_rounds
 from inference_service.engine.block_manager import BlockManager
 from shared.model_config import ModelConfig
 
@@ -92,17 +89,5 @@ def setup(repeats: int, steps: int) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=STEPS)
-    args = parser.parse_args()
-    result = quantized(default_model_dir(), args.repeats, print, args.steps)
-    print(result["setup"] + f"; torch threads {result['torch_threads']}.")
-    print(markdown_table(result["table"]))
-
-
 if __name__ == "__main__":
-    main()
+    decode_main(__doc__, quantized, STEPS)

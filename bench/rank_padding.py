@@ -170,17 +170,17 @@ def setup(repeats: int, steps: int) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def decode_main(doc: str, bench: Callable[..., dict], steps: int) -> None:
+    """A decode benchmark run alone: --repeats rounds of --steps steps (default `steps`) on the
+    default model's cache; prints its setup and table."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--steps", type=int, default=steps)
     args = parser.parse_args()
-    result = rank_padding(default_model_dir(), args.repeats, print, args.steps)
+    result = bench(default_model_dir(), args.repeats, print, args.steps)
     print(result["setup"] + f"; torch threads {result['torch_threads']}.")
     print(markdown_table(result["table"]))
 
 
 if __name__ == "__main__":
-    main()
+    decode_main(__doc__, rank_padding, STEPS)

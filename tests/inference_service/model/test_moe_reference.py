@@ -15,7 +15,7 @@ from shared.model_config import ModelConfig
 from tests.conftest import build_peft_adapter, build_tiny_model
 from tests.fp32_agreement import assert_fp32_agrees
 
-from .test_peft_reference import _runner
+from .test_peft_reference import _runner, assert_decode_agrees
 
 MOE_MODELS = {
     "qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, head_dim=32, norm_topk_prob=True),
@@ -132,34 +132,10 @@ def test_a_mixed_batch_on_an_moe_model_matches_peft(moe_model, kernels):
     margins = RouterMargins(reference, top_k=2)
     runner, slots, _ = _runner(model_dir, adapter_dirs)
     assert runner.model_config.moe.num_experts == 8
-    blocks = BlockManager(runner.num_blocks)
-    gen = torch.Generator().manual_seed(2)
-    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
-    adapters = [a for a, _ in ROWS]
-    tables = [blocks.allocate(-(-(n + DECODE_STEPS) // 4)) for _, n in ROWS]
-    slot_of = [-1 if a is None else slots[a] for a in adapters]
-
-    logits = runner.forward(
-        [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
-        all_logits=True,
-        kernels=kernels,
+    steps = 4 if kernels else DECODE_STEPS
+    assert_decode_agrees(
+        runner, slots, reference, ROWS, steps, seed=2, kernels=kernels, context=margins.__str__
     )
-    expected, exact = reference.logits(sequences, adapters)
-    assert_fp32_agrees(logits, torch.cat(expected), torch.cat(exact))
-    for step in range(4 if kernels else DECODE_STEPS):
-        next_ids = [int(e[-1].argmax()) for e in expected]  # the reference's greedy tokens
-        decode = [
-            SequenceInput([tok], len(s), t, slot)
-            for tok, s, t, slot in zip(next_ids, sequences, tables, slot_of, strict=True)
-        ]
-        logits = runner.forward(decode, kernels=kernels)
-        sequences = [[*s, tok] for s, tok in zip(sequences, next_ids, strict=True)]
-        expected, exact = reference.logits(sequences, adapters)
-        assert_fp32_agrees(
-            logits, torch.stack([e[-1] for e in expected]), torch.stack([e[-1] for e in exact])
-        )
-        greedy = logits.argmax(dim=-1).tolist()
-        assert greedy == [int(e[-1].argmax()) for e in expected], f"{model_type} step {step}; {margins}"
     print(f"{model_type}: {margins}")
 
 

@@ -112,33 +112,50 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, ti
     adapter_dirs = tiny_adapters[model_type]
     reference = Peft(tiny_models[model_type], adapter_dirs)
     runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
-    blocks = BlockManager(runner.num_blocks)
-    gen = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
-    adapters = [a for a, _ in ROWS]
-    tables = [blocks.allocate(-(-(n + DECODE_STEPS) // 4)) for _, n in ROWS]
-    slot_of = [-1 if a is None else slots[a] for a in adapters]
+    assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=1, kernels=kernels)
 
-    prefill = runner.forward(
+
+def assert_decode_agrees(
+    runner: ModelRunner,
+    slots: dict[str, int],
+    reference,
+    rows: list[tuple[str | None, int]],
+    steps: int,
+    seed: int,
+    kernels: bool = False,
+    context=lambda: "",
+) -> None:
+    """A mixed batch of random prompts, one per row (adapter name or None, length), prefilled then
+    decoded greedily for `steps` steps on the reference's tokens: every step's logits as close to
+    the reference's float64 forward as its fp32 forward is (reference.logits gives both), and the
+    greedy tokens equal. context(): what a failing token comparison should also say."""
+    blocks = BlockManager(runner.num_blocks)
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
+    adapters = [a for a, _ in rows]
+    tables = [blocks.allocate(-(-(n + steps) // runner.config.block_size)) for _, n in rows]
+    slot_of = [-1 if a is None else slots[a] for a in adapters]
+    logits = runner.forward(
         [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
         all_logits=True,
         kernels=kernels,
     )
     expected, exact = reference.logits(sequences, adapters)
-    assert_fp32_agrees(prefill, torch.cat(expected), torch.cat(exact))
-
-    for _ in range(DECODE_STEPS):
-        next_ids = [int(e[-1].argmax()) for e in expected]
-        decode_inputs = [
+    assert_fp32_agrees(logits, torch.cat(expected), torch.cat(exact))
+    for step in range(steps):
+        next_ids = [int(e[-1].argmax()) for e in expected]  # the reference's greedy tokens
+        decode = [
             SequenceInput([tok], len(s), t, slot)
             for tok, s, t, slot in zip(next_ids, sequences, tables, slot_of, strict=True)
         ]
-        decoded = runner.forward(decode_inputs, kernels=kernels)
+        logits = runner.forward(decode, kernels=kernels)
         sequences = [[*s, tok] for s, tok in zip(sequences, next_ids, strict=True)]
         expected, exact = reference.logits(sequences, adapters)
         assert_fp32_agrees(
-            decoded, torch.stack([e[-1] for e in expected]), torch.stack([e[-1] for e in exact])
+            logits, torch.stack([e[-1] for e in expected]), torch.stack([e[-1] for e in exact])
         )
+        greedy = [int(e[-1].argmax()) for e in expected]
+        assert logits.argmax(dim=-1).tolist() == greedy, f"decode step {step}; {context()}"
 
 
 def test_chunked_prefill_equals_one_shot_prefill(tiny_models, tiny_adapters):

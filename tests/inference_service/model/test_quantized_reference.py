@@ -16,7 +16,7 @@ from kernels.nf4_linear import dequantize_nf4, quantize_nf4
 from tests.conftest import TINY_ADAPTERS, build_peft_adapter, build_tiny_model
 from tests.fp32_agreement import assert_fp32_agrees
 
-from .test_peft_reference import ROWS, Peft, _runner, _with_adapters
+from .test_peft_reference import ROWS, Peft, _runner, _with_adapters, assert_decode_agrees
 
 # PEFT notes that a layer it did not quantize itself cannot merge; nothing here merges.
 pytestmark = pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated:UserWarning")
@@ -108,33 +108,7 @@ def test_mixed_batch_on_a_quantized_base_matches_peft(model_type, quantization, 
     model_dir, adapter_dirs = models[model_type]
     reference = _quantized_peft(model_dir, adapter_dirs, quantization)
     runner, slots, _ = _runner(model_dir, adapter_dirs, quantization)
-    blocks = BlockManager(runner.num_blocks)
-    gen = torch.Generator().manual_seed(2)
-    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in ROWS]
-    adapters = [a for a, _ in ROWS]
-    tables = [blocks.allocate(-(-(n + DECODE_STEPS) // 4)) for _, n in ROWS]
-    slot_of = [-1 if a is None else slots[a] for a in adapters]
-
-    logits = runner.forward(
-        [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
-        all_logits=True,
-    )
-    expected, exact = reference.logits(sequences, adapters)
-    assert_fp32_agrees(logits, torch.cat(expected), torch.cat(exact))
-    for _ in range(DECODE_STEPS):
-        last = torch.stack([e[-1] for e in expected])  # [rows, vocab]
-        next_ids = last.argmax(dim=-1).tolist()
-        decode = [
-            SequenceInput([tok], len(s), t, slot)
-            for tok, s, t, slot in zip(next_ids, sequences, tables, slot_of, strict=True)
-        ]
-        logits = runner.forward(decode)
-        sequences = [[*s, tok] for s, tok in zip(sequences, next_ids, strict=True)]
-        expected, exact = reference.logits(sequences, adapters)
-        assert_fp32_agrees(
-            logits, torch.stack([e[-1] for e in expected]), torch.stack([e[-1] for e in exact])
-        )
-        assert logits.argmax(dim=-1).tolist() == [int(e[-1].argmax()) for e in expected]  # greedy tokens
+    assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=2)
 
 
 def test_quantized_bases_differ_from_the_dense_one_and_from_each_other(models):
