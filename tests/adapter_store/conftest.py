@@ -110,6 +110,12 @@ def sources_root(tmp_path_factory, tiny_adapters) -> Path:
     return root
 
 
+def local_store_flags(sources: Path, base_model: Path) -> list[str]:
+    """A store reading adapters from `sources` alone, checking them against `base_model`, its admin
+    RPCs behind ADMIN_TOKEN."""
+    return ["--allowed-root", str(sources), "--base-model", str(base_model), "--admin-token", ADMIN_TOKEN]
+
+
 def store_flags(sources_root: Path, s3_endpoint: str, tiny_models, *extra: str) -> list[str]:
     return [
         "--allowed-root",

@@ -15,7 +15,7 @@ from bench.random_adapter import write_random_adapter
 from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
-from tests.adapter_store.conftest import ADMIN_TOKEN, AUTH, StoreProcess
+from tests.adapter_store.conftest import AUTH, StoreProcess, local_store_flags
 
 LAYER = "base_model.model.model.layers.1.mlp"
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -114,14 +114,7 @@ def moe_store(tmp_path_factory, tiny_moe_model):
     good = write_random_adapter(ModelConfig.from_dir(tiny_moe_model), sources / "good", rank=4, seed=1)
     for name, (edit, _, _) in MOE_CORPUS.items():
         edit(Path(shutil.copytree(good, sources / name)))
-    flags = [
-        "--allowed-root",
-        str(sources),
-        "--base-model",
-        str(tiny_moe_model),
-        "--admin-token",
-        ADMIN_TOKEN,
-    ]
+    flags = local_store_flags(sources, tiny_moe_model)
     process = StoreProcess(tmp_path_factory.mktemp("moe-store"), [*flags, "--max-lora-rank", "16"]).start()
     yield process, sources
     assert process.stop() == 0

@@ -7,7 +7,7 @@ from bench.random_adapter import write_random_adapter
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
-from tests.adapter_store.conftest import ADMIN_TOKEN, StoreProcess
+from tests.adapter_store.conftest import ADMIN_TOKEN, StoreProcess, local_store_flags
 from tests.e2e.conftest import WorkerProcess
 
 PROMPTS = ([5, 6, 7, 8, 9], [11, 3, 40, 2, 17, 90, 4])
@@ -19,14 +19,7 @@ def test_an_moe_worker_serves_expert_adapters_from_the_store(tiny_moe_model, tmp
     for i, name in enumerate(("experts", "attention")):
         targets = None if name == "experts" else ("q_proj", "v_proj")
         write_random_adapter(model, sources / name, rank=8, seed=i + 1, targets=targets)
-    flags = [
-        "--allowed-root",
-        str(sources),
-        "--base-model",
-        str(tiny_moe_model),
-        "--admin-token",
-        ADMIN_TOKEN,
-    ]
+    flags = local_store_flags(sources, tiny_moe_model)
     store = StoreProcess(tmp_path / "store", flags).start()
     worker = WorkerProcess(
         tiny_moe_model, store.address, tmp_path / "cache", "--kv-cache-tokens", "256"

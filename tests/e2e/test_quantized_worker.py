@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import loramux
-from tests.adapter_store.conftest import ADMIN_TOKEN, StoreProcess
+from tests.adapter_store.conftest import ADMIN_TOKEN, StoreProcess, local_store_flags
 from tests.conftest import TINY_ADAPTERS, build_peft_adapter, build_tiny_model
 from tests.e2e.conftest import WorkerProcess
 
@@ -97,8 +97,7 @@ def test_a_store_checks_adapters_against_a_pre_quantized_base_and_its_worker_ser
     from inference_service.sampling import SamplingParams
 
     base, sources = pre_quantized[quantization], pre_quantized["sources"]
-    flags = ["--allowed-root", str(sources), "--base-model", str(base), "--admin-token", ADMIN_TOKEN]
-    store = StoreProcess(tmp_path / "store", flags).start()
+    store = StoreProcess(tmp_path / "store", local_store_flags(sources, base)).start()
     worker = WorkerProcess(base, store.address, tmp_path / "cache", "--kv-cache-tokens", "256").start()
     prompt = [5, 6, 7, 8, 9]
     try:
