@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shared.model_config import MODULE_PARENTS, ModelConfig
+from shared.model_config import EXPERT_TARGETS, ModelConfig, peft_path
 
 PREFIX = "base_model.model.model.layers"
 
@@ -20,7 +20,7 @@ def write_random_adapter(
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     targets = targets or model.lora_targets
-    modules = [t for t in targets if not (model.moe and MODULE_PARENTS[t] == "mlp")]
+    modules = [t for t in targets if not (model.moe and t in ("router", *EXPERT_TARGETS))]  # nn.Linear ones
     parameters = _moe_parameters(targets) if model.moe else []
     shapes = model.linear_shapes()
     tensors = {}
@@ -32,7 +32,7 @@ def write_random_adapter(
     for layer in range(model.num_layers):
         for name in modules:
             pair(
-                f"{PREFIX}.{layer}.{MODULE_PARENTS[name]}.{name}",
+                f"{PREFIX}.{layer}.{peft_path(name)}",
                 shapes[name].in_features,
                 shapes[name].out_features,
             )
@@ -49,7 +49,7 @@ def write_random_adapter(
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": modules,
+        "target_modules": [peft_path(name) for name in modules],
         "target_parameters": parameters,
         "bias": "none",
         "use_rslora": False,

@@ -7,12 +7,13 @@ from pathlib import Path
 
 from shared.errors import FailedPrecondition, InvalidArgument
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "olmoe")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # LoRA target -> (packed module, slice index). q/k/v and gate/up run as one matmul each. On an
-# MoE model gate/up/down are every expert's (one LoRA per expert) and "router" is the router.
+# MoE model gate/up/down are every expert's (one LoRA per expert), "router" is the router, and
+# Qwen2-MoE's shared expert has its own gate/up/down and the gate of its output.
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -22,6 +23,10 @@ PACKED_MODULES = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
+    "shared_gate_proj": ("shared_gate_up_proj", 0),
+    "shared_up_proj": ("shared_gate_up_proj", 1),
+    "shared_down_proj": ("shared_down_proj", 0),
+    "shared_expert_gate": ("shared_expert_gate", 0),
 }
 
 # Where each PEFT module sits inside a decoder layer, as HF names it.
@@ -34,9 +39,23 @@ MODULE_PARENTS = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+    "shared_gate_proj": "mlp.shared_expert",
+    "shared_up_proj": "mlp.shared_expert",
+    "shared_down_proj": "mlp.shared_expert",
+    "shared_expert_gate": "mlp",
 }
-DENSE_TARGETS = tuple(name for name in PACKED_MODULES if name != "router")
-MOE_TARGETS = tuple(PACKED_MODULES)
+
+
+def peft_path(target: str) -> str:
+    """Where PEFT finds a LoRA target's module below a decoder layer: "self_attn.q_proj",
+    "mlp.shared_expert.gate_proj" (Qwen2-MoE's shared expert)."""
+    parent = MODULE_PARENTS[target]
+    return f"{parent}.{target.removeprefix('shared_') if parent == 'mlp.shared_expert' else target}"
+
+
+DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "router", "gate_proj", "up_proj", "down_proj")
+SHARED_EXPERT_TARGETS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate")
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")  # on an MoE model
 
 
@@ -61,6 +80,9 @@ class MoeConfig:
     top_k: int
     intermediate_size: int  # each expert's
     norm_topk_prob: bool
+    # Qwen2-MoE: an MLP every token runs besides the experts, its output gated by
+    # sigmoid(shared_expert_gate(x)); 0: none
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,9 +140,9 @@ class ModelConfig:
             supported = ", ".join(SUPPORTED_MODEL_TYPES)
             raise FailedPrecondition(f"config.json: model_type {model_type!r} is not supported ({supported})")
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        is_qwen2 = model_type == "qwen2"
+        is_qwen2 = model_type in ("qwen2", "qwen2_moe")
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
         eos = cfg.get("eos_token_id")
         return cls(
@@ -136,7 +158,7 @@ class ModelConfig:
             rope=_rope_config(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=is_qwen2 or cfg.get("attention_bias", False),
+            qkv_bias=cfg.get("qkv_bias", True) if is_qwen2 else cfg.get("attention_bias", False),
             o_bias=not is_qwen2 and cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_window=window,
@@ -159,6 +181,8 @@ class ModelConfig:
     def lora_targets(self) -> tuple[str, ...]:
         """The LoRA targets, in adapter memory order (a packed module's slices consecutive): every
         linear layer of a dense model; an MoE model's attention, router and experts."""
+        if self.moe and self.moe.shared_intermediate_size:
+            return MOE_TARGETS + SHARED_EXPERT_TARGETS
         return MOE_TARGETS if self.moe else DENSE_TARGETS
 
     def first_target(self, packed: str) -> int:
@@ -181,6 +205,14 @@ class ModelConfig:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+        if self.moe and self.moe.shared_intermediate_size:
+            shared = self.moe.shared_intermediate_size
+            in_out |= {
+                "shared_gate_proj": (h, shared),
+                "shared_up_proj": (h, shared),
+                "shared_down_proj": (shared, h),
+                "shared_expert_gate": (h, 1),
+            }
         return {
             name: LinearShape(
                 *PACKED_MODULES[name],
@@ -193,8 +225,9 @@ class ModelConfig:
 
 
 def _moe_config(cfg: dict) -> MoeConfig:
-    """Qwen3-MoE and OLMoE name the expert count num_experts (transformers 5 writes Qwen3-MoE's as
-    num_local_experts, as Mixtral's); Mixtral always renormalizes the top k."""
+    """Qwen2-MoE, Qwen3-MoE and OLMoE name the expert count num_experts (transformers 5 writes
+    Qwen3-MoE's as num_local_experts, as Mixtral's); the Qwens' experts are moe_intermediate_size
+    wide; Mixtral always renormalizes the top k; Qwen2-MoE adds a shared expert."""
     model_type = cfg["model_type"]
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise FailedPrecondition(
@@ -203,13 +236,15 @@ def _moe_config(cfg: dict) -> MoeConfig:
         )
     if cfg.get("clip_qkv") is not None:
         raise FailedPrecondition("config.json: clip_qkv is not supported")
+    qwen = model_type in ("qwen2_moe", "qwen3_moe")
     return MoeConfig(
         num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
         top_k=cfg["num_experts_per_tok"],
-        intermediate_size=cfg["moe_intermediate_size"]
-        if model_type == "qwen3_moe"
-        else cfg["intermediate_size"],
+        intermediate_size=cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"],
         norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
+        if model_type == "qwen2_moe"
+        else 0,
     )
 
 

@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from shared import peft_experts
 from shared.errors import FailedPrecondition, InvalidArgument
-from shared.model_config import EXPERT_TARGETS, MODULE_PARENTS, ModelConfig
+from shared.model_config import DENSE_TARGETS, EXPERT_TARGETS, MODULE_PARENTS, ModelConfig, peft_path
 from shared.nonfinite import first_nonfinite
 
 CONFIG_FILE = "adapter_config.json"
@@ -21,8 +21,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
 CHECKPOINT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
+# A linear module's path below its layer -> its LoRA target (the router is no nn.Linear module).
+PEFT_TARGETS = {peft_path(t): t for t in MODULE_PARENTS if t != "router"}
 TENSOR_KEY = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp|mlp\.shared_expert)\.(\w+)\.lora_(A|B)\.weight"
 )
 
 
@@ -205,12 +207,13 @@ def _pair_tensors(
             halves.setdefault((int(moe[1]), part), {})[moe[3]] = tensor
             continue
         m = TENSOR_KEY.fullmatch(key)
-        if not m or MODULE_PARENTS.get(m[3]) != m[2] or m[3] == "router":
+        target = PEFT_TARGETS.get(f"{m[2]}.{m[3]}") if m else None
+        if target is None:
             raise InvalidArgument(
                 f"{where}: tensor {key} is not a LoRA A/B matrix of a decoder linear layer "
                 f"(DoRA vectors, embeddings and modules_to_save are not supported)"
             )
-        halves.setdefault((int(m[1]), m[3]), {})[m[4]] = tensor
+        halves.setdefault((int(m[1]), target), {})[m[4]] = tensor
     for (layer, module), pair in halves.items():
         if len(pair) != 2:
             missing = "lora_B" if "A" in pair else "lora_A"
@@ -254,13 +257,13 @@ def _linear_modules(model: ModelConfig | None) -> tuple[str, ...]:
     """The nn.Linear modules LoRA may target by name, as paths below a layer for an MoE model's
     router and experts (the modules transformers 4 had; 5 made them parameters)."""
     if not (model and model.moe):
-        return tuple(m for m in MODULE_PARENTS if m != "router")
-    attention = tuple(m for m in model.lora_targets if MODULE_PARENTS[m] == "self_attn")
+        return tuple(m for m in MODULE_PARENTS if m in DENSE_TARGETS)
+    linear = tuple(m for m in model.lora_targets if m not in ("router", *EXPERT_TARGETS))
     parent, names = (
         ("block_sparse_moe", ("w1", "w3", "w2")) if model.model_type == "mixtral" else ("mlp", EXPERT_TARGETS)
     )
     experts = tuple(f"{parent}.experts.{e}.{n}" for e in range(model.moe.num_experts) for n in names)
-    return (*attention, f"{parent}.gate", *experts)
+    return (*linear, f"{parent}.gate", *experts)
 
 
 def _targeted(
@@ -290,7 +293,8 @@ def _unknown_target(target: str, model: ModelConfig | None) -> str:
     modules = _linear_modules(model)
     if model and model.moe:  # attention, then one expert's modules stand for every expert's
         per_expert = [m for m in modules if ".experts." in m]
-        shown = [m for m in modules if ".experts." not in m] + [
+        named = [m if "." in m or MODULE_PARENTS[m] == "self_attn" else peft_path(m) for m in modules]
+        shown = [m for m in named if ".experts." not in m] + [
             m.replace(".0.", ".<e>.") for m in per_expert[:3]
         ]
         return (
@@ -412,7 +416,7 @@ def _module_key(layer: int, module: str) -> str:
     layer's parts are named by their path below the layer)."""
     if "." in module:
         return f"model.layers.{layer}.{module}"
-    return f"model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
+    return f"model.layers.{layer}.{peft_path(module)}"
 
 
 def _pattern_value(patterns: dict, module_key: str, default):

@@ -1,6 +1,7 @@
-"""The sparse MLP of a mixture-of-experts decoder layer (Qwen3-MoE, Mixtral, OLMoE): a router
-picks top_k experts per token, and each picked expert's SwiGLU MLP runs on the tokens that picked
-it (kernels/moe_gemm.py), weighted by the router's probabilities.
+"""The sparse MLP of a mixture-of-experts decoder layer (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): a
+router picks top_k experts per token, and each picked expert's SwiGLU MLP runs on the tokens that
+picked it (kernels/moe_gemm.py), weighted by the router's probabilities; Qwen2-MoE adds a shared
+expert every token runs, its output scaled by sigmoid(shared_expert_gate(x)).
 
 LoRA: the router is a LoRALinear (its logits gain each token's adapter's delta), and every expert
 has its own LoRA on gate, up and down, applied to the (token, expert) pairs the router chose, each
@@ -32,6 +33,22 @@ class SparseMoe(nn.Module):
 
         self.w13 = weight(experts, 2 * inter, hidden)  # each expert's gate rows, then its up rows
         self.w2 = weight(experts, hidden, inter)
+        shared = moe.shared_intermediate_size
+        if shared:  # Qwen2-MoE's shared expert, its output gated per token
+            self.shared_gate_up_proj = LoRALinear(
+                hidden,
+                (shared, shared),
+                False,
+                (pool, unit, cfg.first_target("shared_gate_up_proj")),
+                dtype,
+                device,
+            )
+            self.shared_down_proj = LoRALinear(
+                shared, (hidden,), False, (pool, unit, cfg.first_target("shared_down_proj")), dtype, device
+            )
+            self.shared_expert_gate = LoRALinear(
+                hidden, (1,), False, (pool, unit, cfg.first_target("shared_expert_gate")), dtype, device
+            )
         self.pool, self.unit = pool, unit
         self.gate_up_target, self.down_target = (
             cfg.first_target("gate_up_proj"),
@@ -65,7 +82,15 @@ class SparseMoe(nn.Module):
         y = gemm(act, self.w2, plan, gather=False)  # [pairs, hidden]
         if pairs is not None:
             add_lora(y, act, pairs, self.pool, self.unit, self.down_target, (y.shape[1],))
-        return combine(y, plan, weights)  # [tokens, hidden]
+        out = combine(y, plan, weights)  # [tokens, hidden]
+        if self.moe.shared_intermediate_size:
+            out = out + self._shared_expert(x, batch.lora)
+        return out
+
+    def _shared_expert(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        gate, up = self.shared_gate_up_proj(x, lora).chunk(2, dim=-1)  # [tokens, shared] each
+        shared = self.shared_down_proj(F.silu(gate) * up, lora)  # [tokens, hidden]
+        return torch.sigmoid(self.shared_expert_gate(x, lora)) * shared  # gate: [tokens, 1]
 
     def _pair_lora(self, plan: ExpertPlan, lora: LoraBatch | None) -> LoraBatch | None:
         if lora is None:

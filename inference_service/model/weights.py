@@ -15,7 +15,7 @@ from inference_service.model.base_weight import Int8Weight, Nf4Weight
 from inference_service.model.model import LlamaModel
 from kernels.nf4_linear import BLOCK, dequantize_nested_absmax, nf4_code
 from shared.errors import InvalidArgument
-from shared.model_config import MODULE_PARENTS
+from shared.model_config import MODULE_PARENTS, peft_path
 
 # Tensors some checkpoints carry that the runtime recomputes or does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -121,11 +121,11 @@ def _targets(model: LlamaModel) -> dict[str, torch.Tensor | Rows]:
         if cfg.moe:
             targets |= _expert_targets(cfg, prefix, layer.mlp)
         for name, shape in cfg.linear_shapes().items():
-            if MODULE_PARENTS[name] == "mlp" and cfg.moe:
+            if MODULE_PARENTS[name].startswith("mlp") and cfg.moe:
                 continue  # _expert_targets
             packed = getattr(getattr(layer, MODULE_PARENTS[name]), shape.packed)
             offset, size = packed.slices[shape.slice_index]
-            base = f"{prefix}.{MODULE_PARENTS[name]}.{name}"
+            base = f"{prefix}.{peft_path(name)}"
             targets[f"{base}.weight"] = Rows(packed.base, offset, (size, packed.in_features))
             if packed.bias is not None:
                 targets[f"{base}.bias"] = packed.bias[offset : offset + size]
@@ -150,6 +150,18 @@ def _expert_targets(cfg, prefix: str, moe: nn.Module) -> dict[str, torch.Tensor 
         targets[f"{expert}.{gate}.weight"] = moe.w13[e, :inter]
         targets[f"{expert}.{up}.weight"] = moe.w13[e, inter:]
         targets[f"{expert}.{down}.weight"] = moe.w2[e]
+    shared, hidden = cfg.moe.shared_intermediate_size, cfg.hidden_size
+    if shared:  # Qwen2-MoE's shared expert
+        targets[f"{prefix}.mlp.shared_expert.gate_proj.weight"] = Rows(
+            moe.shared_gate_up_proj.base, 0, (shared, hidden)
+        )
+        targets[f"{prefix}.mlp.shared_expert.up_proj.weight"] = Rows(
+            moe.shared_gate_up_proj.base, shared, (shared, hidden)
+        )
+        targets[f"{prefix}.mlp.shared_expert.down_proj.weight"] = Rows(
+            moe.shared_down_proj.base, 0, (hidden, shared)
+        )
+        targets[f"{prefix}.mlp.shared_expert_gate.weight"] = Rows(moe.shared_expert_gate.base, 0, (1, hidden))
     return targets
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE) against transformers + PEFT: tiny
+"""Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) against transformers + PEFT: tiny
 random-weight models (hidden 128, 8 experts, top-2) with four adapters on attention, router and
 experts, mixed in one batch with requests on the base model, 10 prompts x 32 greedy tokens. The
 reference runs its experts eagerly (one matmul per expert, as ours on the CPU), in fp32 and in
@@ -18,6 +18,9 @@ from tests.fp32_agreement import assert_fp32_agrees
 from .test_peft_reference import _runner, assert_decode_agrees
 
 MOE_MODELS = {
+    "qwen2_moe": dict(
+        num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=96, norm_topk_prob=False
+    ),
     "qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, head_dim=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=8, intermediate_size=64),
     "olmoe": dict(num_experts=8, intermediate_size=64, norm_topk_prob=False),
