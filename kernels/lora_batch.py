@@ -188,7 +188,11 @@ class LoraBatch:
         """The LoRA work of an MoE layer's (token, expert) pairs: row r is token pair_tokens[r] on
         expert pair_experts[r], with that token's adapter on the targets `shifts` marks (the
         experts'), where expert e's block of each page lies e * shifts[t] units past the page's
-        start. None when no pair's token uses an adapter."""
+        start. None when no pair's token uses an adapter with ranks there."""
+        on_experts = [t for t, shift in enumerate(shifts) if shift]
+        used = {slot for slot in self.step.token_slots if slot >= 0}
+        if not any(self.step.adapters[slot].ranks[t] for slot in used for t in on_experts):
+            return None  # attention-only adapters: nothing to do on the experts
         slots, experts_of = [], {}  # (adapter, expert) -> its handle in the pairs' batch
         for token, expert in zip(pair_tokens, pair_experts, strict=True):
             slot = self.step.token_slots[token]
