@@ -141,9 +141,6 @@ class ModelConfig:
             raise FailedPrecondition(f"config.json: model_type {model_type!r} is not supported ({supported})")
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         is_qwen2 = model_type in ("qwen2", "qwen2_moe")
-        window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
-            window = None
         eos = cfg.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -161,7 +158,7 @@ class ModelConfig:
             qkv_bias=cfg.get("qkv_bias", True) if is_qwen2 else cfg.get("attention_bias", False),
             o_bias=not is_qwen2 and cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
-            sliding_window=window,
+            sliding_window=_sliding_window(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             checkpoint_quantization=_checkpoint_quantization(cfg.get("quantization_config")),
@@ -222,6 +219,30 @@ class ModelConfig:
             )
             for name in self.lora_targets
         }
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    """The window every layer's attention keeps (None: all of the context). The Qwens slide only
+    with use_sliding_window, and then on some layers: Qwen2 on those from max_window_layers on,
+    Qwen2-MoE on every other one below it. One window serves every layer here, so a model whose
+    layers differ is refused (released Qwen checkpoints turn the window off)."""
+    model_type, window, layers = cfg["model_type"], cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        return None
+    if window is None:
+        return None
+    first = cfg.get("max_window_layers", 28)
+    kinds = set(cfg.get("layer_types") or [])
+    if model_type == "qwen2":
+        kinds = {"sliding" if i >= first else "full" for i in range(layers)}
+    elif model_type == "qwen2_moe":
+        kinds = {"sliding" if (i + 1) % 2 and i < first else "full" for i in range(layers)}
+    if len(kinds) > 1:
+        raise FailedPrecondition(
+            "config.json: a sliding window on some layers only (use_sliding_window with max_window_layers, "
+            "or mixed layer_types) is not supported"
+        )
+    return None if kinds == {"full"} or kinds == {"full_attention"} else window
 
 
 def _moe_config(cfg: dict) -> MoeConfig:

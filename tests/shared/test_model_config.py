@@ -60,6 +60,32 @@ def test_qwen2_has_qkv_bias_and_no_window_unless_enabled():
     assert ModelConfig.from_dict({**BASE, "model_type": "mistral", "sliding_window": 32}).sliding_window == 32
 
 
+MIXED_LAYERS = ["sliding_attention", "full_attention"]
+QWEN2_WINDOW = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}
+QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2}
+QWEN2_MOE |= {"moe_intermediate_size": 16}
+
+
+@pytest.mark.parametrize(
+    ("config", "window"),
+    [
+        (QWEN2_WINDOW | {"max_window_layers": 0}, 32),  # both layers slide
+        (QWEN2_WINDOW | {"max_window_layers": 28}, None),  # neither does
+        (QWEN2_WINDOW | {"max_window_layers": 1}, "refused"),
+        (QWEN2_MOE | {"use_sliding_window": True, "sliding_window": 32}, "refused"),  # every other layer
+        (QWEN2_MOE | {"sliding_window": 32}, None),
+        ({"model_type": "mistral", "sliding_window": 32, "layer_types": MIXED_LAYERS}, "refused"),
+    ],
+)  # fmt: skip
+def test_a_window_is_one_every_layer_keeps_or_refused(config, window):
+    """As transformers decides which layers slide; one window serves every layer here."""
+    if window == "refused":
+        with pytest.raises(FailedPrecondition, match="a sliding window on some layers only"):
+            ModelConfig.from_dict({**BASE, **config})
+    else:
+        assert ModelConfig.from_dict({**BASE, **config}).sliding_window == window
+
+
 def test_gqa_slices_and_head_dim():
     cfg = ModelConfig.from_dict({**BASE, "head_dim": 32})
     shapes = {
