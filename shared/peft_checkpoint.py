@@ -114,16 +114,17 @@ def load_peft_adapter(
     pairs = _pair_tensors(tensors, peft_experts.targeted_parameters(config.target_parameters, where), where)
     _check_targets(config, pairs, model, where)
     _check_values(pairs, where)
+    loading = _Loading(config, model, max_rank, dtype, where)
     modules, experts = {}, {}  # experts: (layer, target) -> expert -> a transformers 4 expert's LoRA
     for (layer, module), (a, b) in pairs.items():
         if peft_experts.expert_index(module) is not None:
             target = peft_experts.per_expert_target(module)
-            lora = _module(config, (layer, module), a, b, model, max_rank, dtype, where, target)
+            lora = _module(loading, (layer, module), a, b, target)
             experts.setdefault((layer, target), {})[peft_experts.expert_index(module)] = (lora.a, lora.b_t)
         elif "." in module:
-            modules |= _moe_modules(config, (layer, module), a, b, model, max_rank, dtype, where)
+            modules |= _moe_modules(loading, (layer, module), a, b)
         else:
-            modules[(layer, module)] = _module(config, (layer, module), a, b, model, max_rank, dtype, where)
+            modules[(layer, module)] = _module(loading, (layer, module), a, b)
     for (layer, target), loras in experts.items():
         label = f"{where}: layers.{layer}'s experts' {target}"
         modules[(layer, target)] = ModuleLora(*peft_experts.stack_experts(loras, model, label))
@@ -304,21 +305,41 @@ def _unknown_target(target: str, model: ModelConfig | None) -> str:
     return f"target module {target!r} is not in the base model (LoRA targets: {', '.join(modules)})"
 
 
+@dataclass(frozen=True)
+class _Loading:
+    """What turning one checkpoint's tensors into served LoRA needs: its config, the model it is
+    checked against, the rank bound, the serving dtype, and the adapter's name for messages."""
+
+    config: LoraConfig
+    model: ModelConfig | None
+    max_rank: int | None
+    dtype: torch.dtype
+    where: str
+
+    def check_rank(self, label: str, rank: int) -> None:
+        if self.max_rank is not None and rank > self.max_rank:
+            raise InvalidArgument(
+                f"{label} has rank {rank}, above this server's max_lora_rank {self.max_rank}"
+            )
+
+    def served(self, a: torch.Tensor, b: torch.Tensor, scaling: float) -> ModuleLora:
+        """a [..., rank, in], b [..., out, rank] -> ModuleLora in the serving dtype, scaling merged
+        into B^T (A copied: gate and up of an MoE layer's experts start from the same A)."""
+        b_scaled = b.float() * scaling  # [..., out, rank]
+        return ModuleLora(
+            a=a.to(self.dtype, copy=True).contiguous(),
+            b_t=b_scaled.transpose(-1, -2).to(self.dtype).contiguous(),
+        )
+
+
 def _module(
-    config: LoraConfig,
-    key: tuple[int, str],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    model: ModelConfig | None,
-    max_rank: int | None,
-    dtype: torch.dtype,
-    where: str,
-    target: str | None = None,
+    loading: _Loading, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, target: str | None = None
 ) -> ModuleLora:
     """A linear module's LoRA (`target`: the LoRA target whose shape it has, when its path is
     not that target's name: a transformers 4 expert's)."""
     layer, module = key
-    label = f"{where}: layers.{layer}.{module}"
+    config, model = loading.config, loading.model
+    label = f"{loading.where}: layers.{layer}.{module}"
     module_key = _module_key(layer, module)
     rank = a.shape[0]
     _check_shapes(label, a, b, model.linear_shapes()[target or module] if model else None)
@@ -326,38 +347,25 @@ def _module(
         raise InvalidArgument(
             f"{label}.lora_A has rank {rank}, {CONFIG_FILE} says r={config.expected_rank(module_key)}"
         )
-    if max_rank is not None and rank > max_rank:
-        raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
-    b_scaled = b.float() * config.scaling(module_key, rank)  # [out, rank]
-    return ModuleLora(a=a.to(dtype).contiguous(), b_t=b_scaled.t().to(dtype).contiguous())
+    loading.check_rank(label, rank)
+    return loading.served(a, b, config.scaling(module_key, rank))
 
 
 def _moe_modules(
-    config: LoraConfig,
-    key: tuple[int, str],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    model: ModelConfig | None,
-    max_rank: int | None,
-    dtype: torch.dtype,
-    where: str,
+    loading: _Loading, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
 ) -> dict[tuple[int, str], ModuleLora]:
     """An MoE layer's router, or a parameter of its stacked experts: its targets' LoRA, per
     expert for experts."""
     layer, part = key
-    label = f"{where}: layers.{layer}.{part}"
+    label = f"{loading.where}: layers.{layer}.{part}"
     module_key = _module_key(layer, part)
-    rank = config.expected_rank(module_key)
-    if max_rank is not None and rank > max_rank:
-        raise InvalidArgument(f"{label} has rank {rank}, above this server's max_lora_rank {max_rank}")
-    scaling = config.scaling(module_key, rank)
-    out = {}
-    for target, (a_t, b_t) in peft_experts.stacked(part, a, b, rank, model, label).items():
-        b_scaled = b_t.float() * scaling  # [E, out, r] or [out, r]
-        out[(layer, target)] = ModuleLora(
-            a=a_t.to(dtype, copy=True).contiguous(), b_t=b_scaled.transpose(-1, -2).to(dtype).contiguous()
-        )
-    return out
+    rank = loading.config.expected_rank(module_key)
+    loading.check_rank(label, rank)
+    scaling = loading.config.scaling(module_key, rank)
+    return {
+        (layer, target): loading.served(a_t, b_t, scaling)
+        for target, (a_t, b_t) in peft_experts.stacked(part, a, b, rank, loading.model, label).items()
+    }
 
 
 def _check_values(pairs: dict[tuple[int, str], tuple], where: str) -> None:
