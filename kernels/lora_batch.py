@@ -168,11 +168,11 @@ class LoraBatch:
         """kernels: take the Triton kernels' path (default: on CUDA) rather than the torch one."""
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
-        step = StepAdapters(token_slots, adapters, device, kernels)
         groups: dict[int, list[int]] = {}  # adapter -> its tokens, in order
         for token, slot in enumerate(token_slots):
             if slot >= 0:
                 groups.setdefault(slot, []).append(token)
+        step = StepAdapters(token_slots, frozenset(groups), adapters, device, kernels)
         if kernels:
             max_pages = max((len(p) for s in groups for p in adapters[s].pages), default=0)
             return cls(
@@ -190,8 +190,7 @@ class LoraBatch:
         experts'), where expert e's block of each page lies e * shifts[t] units past the page's
         start. None when no pair's token uses an adapter with ranks there."""
         on_experts = [t for t, shift in enumerate(shifts) if shift]
-        used = {slot for slot in self.step.token_slots if slot >= 0}
-        if not any(self.step.adapters[slot].ranks[t] for slot in used for t in on_experts):
+        if not any(self.step.adapters[slot].ranks[t] for slot in self.step.used for t in on_experts):
             return None  # attention-only adapters: nothing to do on the experts
         slots, experts_of = [], {}  # (adapter, expert) -> its handle in the pairs' batch
         for token, expert in zip(pair_tokens, pair_experts, strict=True):
@@ -210,6 +209,7 @@ class StepAdapters:
     """Which adapter each token of a step uses, and where those adapters lie."""
 
     token_slots: list[int]
+    used: frozenset[int]  # the adapters some token uses
     adapters: Mapping[int, AdapterPages]
     device: torch.device | str
     kernels: bool

@@ -73,10 +73,13 @@ class SparseMoe(nn.Module):
         plan = ExpertPlan.build(ids, self.moe.num_experts)
         pairs = self._pair_lora(plan, batch.lora)
         gemm = moe_gemm_triton if batch.kernels else moe_gemm
-        h = gemm(x, self.w13, plan, gather=True)  # [pairs, 2 * inter]
-        inter = h.shape[1] // 2
-        if pairs is not None:
-            add_lora(h, x[plan.tokens], pairs, self.pool, self.unit, self.gate_up_target, (inter, inter))
+        if pairs is None:  # the gate/up matmul gathers each pair's token as it reads it
+            h = gemm(x, self.w13, plan, gather=True)  # [pairs, 2 * inter]
+        else:  # LoRA reads the pairs' tokens too: gathered once for both
+            x_pairs = x[plan.tokens]  # [pairs, hidden]
+            h = gemm(x_pairs, self.w13, plan, gather=False)  # [pairs, 2 * inter]
+            inter = h.shape[1] // 2
+            add_lora(h, x_pairs, pairs, self.pool, self.unit, self.gate_up_target, (inter, inter))
         gate, up = h.chunk(2, dim=-1)  # [pairs, inter] each
         act = F.silu(gate) * up
         y = gemm(act, self.w2, plan, gather=False)  # [pairs, hidden]
