@@ -5,30 +5,47 @@ from pathlib import Path
 import torch
 
 from inference_service.adapters.host_tier import ReadyAdapter
-from shared.errors import NotFound
+from shared.errors import FailedPrecondition, NotFound
 from shared.model_config import ModelConfig
 from shared.peft_checkpoint import load_peft_adapter
 
 
 class LocalAdapterLoader:
+    """Each name maps to the folder and content it was last registered with. Every content ever
+    registered stays loadable from its folder by digest (a path each), for the requests still
+    bound to it after its name moved on; a folder whose files changed since is refused."""
+
     def __init__(self, model: ModelConfig, max_rank: int, dtype: torch.dtype):
         self._model, self._max_rank, self._dtype = model, max_rank, dtype
-        self._folders: dict[str, Path] = {}
+        self._names: dict[str, str] = {}  # name -> digest new requests get
+        self._folders: dict[str, Path] = {}  # digest -> folder it was registered from
 
-    def register(self, name: str, folder: str | Path) -> None:
-        self._folders[name] = Path(folder)
+    def register(self, name: str, folder: str | Path, digest: str) -> None:
+        """New requests for `name` get the content `digest` read from `folder`."""
+        self._names[name] = digest
+        self._folders[digest] = Path(folder)
 
     def unregister(self, name: str) -> None:
-        self._folders.pop(name, None)
+        self._names.pop(name, None)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._folders
+        return name in self._names
 
-    def load(self, name: str) -> ReadyAdapter:
-        folder = self._folders.get(name)
+    def digest_of(self, name: str) -> str | None:
+        return self._names.get(name)
+
+    def load(self, name: str, digest: str | None = None) -> ReadyAdapter:
+        digest = digest or self._names.get(name)
+        folder = self._folders.get(digest) if digest else None
         if folder is None:
             raise NotFound(f"adapter {name!r} is not registered")
-        return self.read(name, folder)
+        ready = self.read(name, folder)
+        if ready.digest != digest:
+            raise FailedPrecondition(
+                f"adapter {name!r}: the files in {folder} changed after they were registered (content "
+                f"{ready.digest}, registered as {digest}); register the adapter again"
+            )
+        return ready
 
     def read(self, name: str, folder: str | Path) -> ReadyAdapter:
         """Validate and optimize the PEFT checkpoint in `folder` as adapter `name`, without

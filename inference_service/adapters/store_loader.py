@@ -78,8 +78,10 @@ class StoreAdapterLoader:
         with self._lock:
             return self._digests.get(name)
 
-    def load(self, name: str) -> ReadyAdapter:
-        digest = self._digest_for(name)
+    def load(self, name: str, digest: str | None = None) -> ReadyAdapter:
+        """A given digest is fetched as it is, whatever the catalog says of the name now (a
+        request bound to content re-registered since); the disk cache usually has it."""
+        digest = self._digest_for(name, digest)
         with self._one_fetch(digest):
             path = self._cached(digest) or self._fetch(name, digest)
         where = f"adapter {name!r}"
@@ -87,9 +89,10 @@ class StoreAdapterLoader:
         # The store's digest names the registered content, whatever dtype this worker serves in.
         return ReadyAdapter(name, digest, AdapterImage.of(weights, self._model, self._dtype))
 
-    def _digest_for(self, name: str) -> str:
-        """The catalog's digest, validated; without a catalog entry, the store's answer."""
-        known = self.digest_of(name)
+    def _digest_for(self, name: str, digest: str | None) -> str:
+        """The digest asked for (which the catalog gave once) or the catalog's, validated;
+        without a catalog entry, the store's answer."""
+        known = digest or self.digest_of(name)
         if known is None:
             digest = ask_digest(self._stub, name, self._limits)
             self.learn(name, digest)

@@ -18,9 +18,7 @@ dead engine.
 import asyncio
 import logging
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,12 +30,14 @@ from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.delta_queue import DeltaQueue
 from inference_service.engine.engine_thread import EngineThread
+from inference_service.engine.inbox import Inbox
 from inference_service.engine.metrics import EngineMetrics, EngineStats
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.engine.request import Delta, Request, RequestOutput
 from inference_service.engine.sampler import generator_for
 from inference_service.engine.scheduler import ScheduledChunk, Scheduler
 from inference_service.engine.sequence import Sequence, Status
+from inference_service.engine.snapshot import AdapterState, Snapshot
 from inference_service.engine.streams import Streams
 from inference_service.engine.tokenizer import Tokenizer
 from inference_service.torch_threads import in_passing_thread
@@ -45,34 +45,9 @@ from shared.errors import FailedPrecondition, LoramuxError, NotFound, Unavailabl
 from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
 
-__all__ = ["AdapterState", "Engine"]
+__all__ = ["Engine"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, order=True)
-class AdapterState:
-    name: str
-    digest: str  # empty while loading
-    location: str  # "device" | "host" | "loading"
-    pinned: bool
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """What readers outside the step see: taken by whoever holds the step lock, swapped in whole,
-    and cheap to take (a step takes one): readers build the adapter listing from it."""
-
-    stats: EngineStats
-    held: list[tuple[str, str | None, bool]]  # HostTier.held(): never changed once taken
-    resident: frozenset[str]  # digests in adapter memory
-
-    def adapters(self) -> list[AdapterState]:
-        """Every adapter held: in a device slot, in host memory, or loading; by name."""
-        return sorted(
-            AdapterState(name, digest or "", _location(digest, self.resident), pinned)
-            for name, digest, pinned in self.held
-        )
 
 
 class Engine:
@@ -94,9 +69,8 @@ class Engine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
         self.streams = Streams(self.tokenizer, eos)
         self.metrics = EngineMetrics()
-        self._lock = threading.RLock()  # held by a step, and by an adapter change made between steps
-        self._inbox: deque[Callable[[], None]] = deque()  # submits, aborts, changes for the next step
-        self._snapshot = self._take_snapshot()
+        self._inbox = Inbox(self._wakeup)
+        self._publish()
         self._thread = EngineThread(self.step, lambda: self.has_work, self._wakeup, config.step_timeout_s)
         self._thread.on_fatal(self.streams.close_all)
 
@@ -104,24 +78,31 @@ class Engine:
 
     def add_adapter(self, name: str, peft_dir: str | Path) -> str:
         """Validate and optimize a local PEFT adapter and put it in the host tier; returns its
-        content digest. Re-adding a name replaces its weights for new requests."""
+        content digest. Re-adding a name replaces its weights for requests submitted from now
+        on; those submitted before finish on the weights they were submitted with."""
         check_adapter_id(name)
         if not isinstance(self.loader, LocalAdapterLoader):
             raise FailedPrecondition(f"adapter {name!r}: this engine's adapters come from the adapter store")
         # slow: in a passing thread like the model's build, before anything else sees it
         ready = in_passing_thread(lambda: self.host.prepare(self.loader.read(name, peft_dir)))
-        self.loader.register(name, peft_dir)
+        self.loader.register(name, peft_dir, ready.digest)
 
         def install() -> None:
-            self.host.remove(name)
             self.host.put(ready)
+            self.host.prune(name)
 
         self._change(install)
         return ready.digest
 
+    def adapter_changed(self, name: str) -> None:
+        """The loader gives `name` new content (the store re-registered it): host copies of its
+        old content go, but for those requests submitted before still run on."""
+        self._change(lambda: self.host.prune(name))
+
     def remove_adapter(self, name: str, missing_ok: bool = False) -> None:
-        """New requests for `name` get NotFound at once; running ones finish on the weights they
-        have; its host copy goes before the next step."""
+        """New requests for `name` get NotFound at once; requests submitted before finish on
+        the weights they were submitted with, through preemption and reload; its host copies go
+        once those end."""
         if not missing_ok:
             self._require_adapter(name)
         self.loader.unregister(name)
@@ -137,7 +118,7 @@ class Engine:
 
     def held_digests(self) -> dict[str, str]:
         """Adapter name -> digest of every adapter ready in host memory, as of the last step."""
-        return {name: digest for name, digest, _ in self._snapshot.held if digest is not None}
+        return self._snapshot.held_digests()
 
     def adapter_states(self) -> list[AdapterState]:
         """Every adapter held, as of the last step: in a device slot, in host memory, or loading;
@@ -145,21 +126,12 @@ class Engine:
         return self._snapshot.adapters()
 
     def _change(self, action: Callable[[], None]) -> None:
-        """Apply an adapter change now if no step runs, else at the start of the next one; it
-        never waits for a step (the store watch makes these changes)."""
-        if not self._lock.acquire(blocking=False):
-            self._post(action)
-            return
-        try:
-            self._apply_inbox()  # what was posted before comes first
-            action()
-            self._snapshot = self._take_snapshot()
-        finally:
-            self._lock.release()
+        """Apply an adapter change now if no step runs, else at the start of the next one."""
+        self._inbox.change(action, then=self._publish)
 
-    def _take_snapshot(self) -> _Snapshot:
+    def _publish(self) -> None:
         stats = self.metrics.snapshot(self.host.stats(), self.memory.stats(), self.scheduler.stats())
-        return _Snapshot(stats, self.host.held(), self.memory.resident_digests())
+        self._snapshot = Snapshot(stats, self.host.held(), self.memory.resident_digests())
 
     def _require_adapter(self, name: str) -> None:
         if name not in self.loader:
@@ -170,27 +142,25 @@ class Engine:
     def submit(self, request: Request, sink: Callable[[Delta], None]) -> None:
         """Queue a request; `sink` receives its deltas from the stepping thread."""
         request.check(self.max_model_len, self.runner.model_config.vocab_size, self.tokenizer is not None)
-        seq = _sequence(request, self.runner.device)
+        digest = None
         if request.adapter is not None:
             self._require_adapter(request.adapter)
+            digest = self.loader.digest_of(request.adapter)  # the content it keeps to its end
+        seq = _sequence(request, self.runner.device, digest)
         self.streams.open(seq, sink)
-        self._post(lambda: self.scheduler.add(seq))
+        self._inbox.post(lambda: self.scheduler.add(seq))
 
     def abort(self, request_id: str) -> None:
         """Finish the request at the next step: its KV blocks and slot reference are freed then."""
-        self._post(lambda: self._abort(self.scheduler.get(request_id)))
+        self._inbox.post(lambda: self._abort(self.scheduler.get(request_id)))
 
     def abort_all(self) -> None:
-        self._post(lambda: self._abort(*self.scheduler.sequences))
+        self._inbox.post(lambda: self._abort(*self.scheduler.sequences))
 
     def _abort(self, *seqs: Sequence | None) -> None:
         for seq in seqs:
             if seq is not None:  # already finished, or never submitted
                 self._finish(seq, "abort")
-
-    def _post(self, action: Callable[[], None]) -> None:
-        self._inbox.append(action)
-        self._wakeup.set()
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run the requests to completion in this thread; outputs in request order."""
@@ -265,16 +235,16 @@ class Engine:
     # --- one step -------------------------------------------------------------------------
 
     def step(self) -> None:
-        with self._lock:
+        with self._inbox.lock:
             ran = self._step_locked()
-            self._snapshot = self._take_snapshot()
+            self._publish()
         if not ran and self.host.loading:
             self._wakeup.wait(0.005)  # only loads are pending: wait for one, or for a submit
             self._wakeup.clear()
 
     def _step_locked(self) -> bool:
         """One step; False when nothing could be scheduled."""
-        self._apply_inbox()
+        self._inbox.apply()
         self._collect_loads()
         schedule = self.scheduler.schedule()
         for seq, error in schedule.refused:
@@ -288,10 +258,6 @@ class Engine:
         if chunks:
             self._run(chunks)
         return True
-
-    def _apply_inbox(self) -> None:
-        while self._inbox:
-            self._inbox.popleft()()
 
     def _run(self, chunks: list[ScheduledChunk]) -> None:
         """Run the chunks, let the scheduler record what they computed and drew, stream it out."""
@@ -317,23 +283,28 @@ class Engine:
         except Exception as e:
             log.exception("adapter %r cannot be loaded into adapter memory", ready.name)
             reason = f"adapter {ready.name!r} cannot be loaded into device memory: {brief(e)}"
-            self._fail_adapter(ready.name, FailedPrecondition(reason), slot)
+            self._fail_adapter(ready.name, ready.digest, FailedPrecondition(reason), slot)
             self.runner.clear_slot(slot)
             self.memory.vacate(slot)
-            self.host.remove(ready.name)
+            self.host.drop(ready.version)
 
     def _collect_loads(self) -> None:
         """Install finished loads. A failed load fails only the waiting requests that named it."""
         seconds, failed = self.host.collect()
         for took in seconds:
             self.metrics.adapter_load_seconds.observe(took)
-        for name, error in failed:
-            self._fail_adapter(name, _as_loramux(error, name))
+        for name, digest, error in failed:
+            self._fail_adapter(name, digest, _as_loramux(error, name))
 
-    def _fail_adapter(self, name: str, error: LoramuxError, slot: int | None = None) -> None:
-        """Fail the requests waiting for adapter `name`, and those running in its `slot`."""
+    def _fail_adapter(
+        self, name: str, digest: str | None, error: LoramuxError, slot: int | None = None
+    ) -> None:
+        """Fail the requests waiting for content `digest` of adapter `name` (None: its current
+        content) and those not bound yet that would get it, and those running in its `slot`."""
+        current = digest in (None, self.loader.digest_of(name))
         for seq in self.scheduler.sequences:
-            if (seq.status is Status.WAITING and seq.adapter == name) or (
+            waits = seq.status is Status.WAITING and seq.adapter == name
+            if (waits and (seq.digest == digest or (seq.digest is None and current))) or (
                 slot is not None and seq.slot == slot
             ):
                 self._finish(seq, "error", error)
@@ -344,16 +315,10 @@ class Engine:
         self.streams.close(seq, error)
 
 
-def _location(digest: str | None, resident: frozenset[str]) -> str:
-    if digest is None:
-        return "loading"
-    return "device" if digest in resident else "host"
-
-
-def _sequence(request: Request, device: torch.device) -> Sequence:
+def _sequence(request: Request, device: torch.device, digest: str | None) -> Sequence:
     generator = generator_for(request.params, device)  # a seeded request's own, for its whole life
     prompt = list(request.prompt_token_ids)
-    return Sequence(request.request_id, prompt, request.params, request.adapter, generator=generator)
+    return Sequence(request.request_id, prompt, request.params, request.adapter, digest, generator=generator)
 
 
 def _overflowed(seq: Sequence, dtype: str) -> FailedPrecondition:

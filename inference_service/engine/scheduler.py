@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from inference_service.adapters.host_tier import HostTier, ReadyAdapter
+from inference_service.adapters.host_tier import HostTier, ReadyAdapter, Version
 from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_manager import BlockManager, adapter_key, chain
 from inference_service.engine.config import EngineConfig
@@ -77,11 +77,15 @@ class Scheduler:
         self.preemptions = self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue the sequence; its adapter starts loading now if the host tier has room."""
+        """Queue the sequence; its adapter starts loading now if the host tier has room. A
+        sequence that knows its adapter's content is bound to it from now on; one that does not
+        (the adapter store's catalog view is down) is bound to the first version it finds ready."""
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
         if seq.adapter:
-            self.host.hold(seq.adapter)
+            self.host.hold(seq.adapter, seq.digest)
+            if seq.digest:
+                self.host.bind(Version(seq.adapter, seq.digest))
 
     def get(self, request_id: str) -> Sequence | None:
         """The unfinished sequence of that request, waiting or running; None if there is none."""
@@ -139,7 +143,7 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
         if seq.adapter:
-            self.host.keep(seq.adapter)
+            self.host.keep(seq.adapter, seq.digest)
 
     def _admit(self, budget: int, schedule: Schedule) -> None:
         """Admit waiting sequences in arrival order. A sequence whose adapter is still loading is
@@ -153,10 +157,13 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            ready = self.host.get(seq.adapter) if seq.adapter else None
+            ready = self.host.get(seq.adapter, seq.digest) if seq.adapter else None
             if seq.adapter and ready is None:
                 continue
-            hits = self._cached_prefix(seq, ready)
+            if ready is not None and seq.digest is None:
+                seq.digest = ready.digest
+                self.host.bind(ready.version)
+            hits = self._cached_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.block_size, budget)
             new_blocks = -(-(len(hits) * self.block_size + n) // self.block_size) - len(hits)
             if new_blocks > self.blocks.num_free - self.blocks.free_among(hits):
@@ -176,13 +183,9 @@ class Scheduler:
             schedule.chunks.append(ScheduledChunk(seq, n))
             budget -= n
 
-    def _cached_prefix(self, seq: Sequence, ready: ReadyAdapter | None) -> list[int]:
-        """The cached blocks of the sequence's first full blocks under the adapter content it
-        would run with now, never its last token's block: that token is always computed, for
-        its logits."""
-        key = adapter_key(ready.digest if ready else None)
-        if key != seq.adapter_key:  # first admission, or the adapter was re-registered meanwhile
-            seq.adapter_key, seq.block_hashes = key, []
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of the sequence's first full blocks under the adapter content it is
+        bound to, never its last token's block: that token is always computed, for its logits."""
         if not self.blocks.prefix_caching:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
@@ -220,9 +223,8 @@ class Scheduler:
         self.running.append(seq)
 
     def _waiting_digests(self) -> frozenset[str]:
-        """The adapters waiting requests use that are ready in host memory."""
-        ready = (self.host.peek(seq.adapter) for seq in self.waiting if seq.adapter)
-        return frozenset(r.digest for r in ready if r is not None)
+        """The adapter contents waiting requests are bound to."""
+        return frozenset(seq.digest for seq in self.waiting if seq.digest)
 
     def stats(self) -> SchedulerStats:
         blocks = self.blocks
@@ -263,7 +265,8 @@ class Scheduler:
         """The hashes of at least the sequence's first `blocks` full blocks, each computed once
         (a waiting sequence is looked up at every step)."""
         if len(seq.block_hashes) < blocks:
-            seq.block_hashes = chain(seq.token_ids, self.block_size, seq.adapter_key, seq.block_hashes)
+            key = adapter_key(seq.digest)  # bound before any hash: the base model's only without an adapter
+            seq.block_hashes = chain(seq.token_ids, self.block_size, key, seq.block_hashes)
         return seq.block_hashes
 
     def drop_computed(self, seq: Sequence) -> list[int]:
@@ -283,6 +286,8 @@ class Scheduler:
             self.waiting.remove(seq)
             if seq.adapter:
                 self.host.release(seq.adapter)
+        if seq.adapter and seq.digest:
+            self.host.unbind(Version(seq.adapter, seq.digest))
         del self._by_id[seq.request_id]
         seq.status, seq.finish_reason = Status.FINISHED, reason
 

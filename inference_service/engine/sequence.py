@@ -20,6 +20,9 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None
+    # The adapter content it runs on, from its submission (or first admission) to its end,
+    # whatever the name serves later; None without an adapter, or until bound.
+    digest: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache (from the prefix cache or computed)
     block_table: list[int] = field(default_factory=list)
@@ -29,7 +32,6 @@ class Sequence:
     generator: torch.Generator | None = None  # seeded requests sample from their own stream
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     preemptions: int = 0  # times its blocks were taken back and it waited again
-    adapter_key: bytes = b""  # the adapter content its blocks are hashed under (BlockManager)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, as far as known
     named_blocks: int = 0  # its first blocks that are in the prefix cache under their hash
     hit_blocks: int = 0  # its first blocks that came from the prefix cache at this admission

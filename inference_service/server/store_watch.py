@@ -67,11 +67,13 @@ class StoreWatch:
 
     def _resync(self, snapshot: dict[str, pb.Adapter]) -> None:
         """Whatever changed while the stream was down: deleted or re-registered adapters are
-        dropped, pinned ones preloaded."""
-        for name, held in self._engine.held_digests().items():
-            if name not in snapshot or snapshot[name].digest != held:
-                self._engine.remove_adapter(name, missing_ok=True)
+        dropped (requests submitted before keep the content they have), pinned ones preloaded."""
         self._loader.sync({name: a.digest for name, a in snapshot.items()})
+        for name, held in self._engine.held_digests().items():
+            if name not in snapshot:
+                self._engine.remove_adapter(name, missing_ok=True)
+            elif snapshot[name].digest != held:
+                self._engine.adapter_changed(name)
         for adapter in snapshot.values():
             self._set_pinned(adapter)
         self.synced.set()
@@ -82,9 +84,9 @@ class StoreWatch:
         if event.type == Event.TYPE_DELETED:
             self._engine.remove_adapter(adapter.adapter_id, missing_ok=True)
             return
-        if event.type == Event.TYPE_REGISTERED:
-            self._engine.remove_adapter(adapter.adapter_id, missing_ok=True)  # any older content
         self._loader.learn(adapter.adapter_id, adapter.digest)
+        if event.type == Event.TYPE_REGISTERED:
+            self._engine.adapter_changed(adapter.adapter_id)  # any older content, once unused
         self._set_pinned(adapter)
 
     def _set_pinned(self, adapter: pb.Adapter) -> None:

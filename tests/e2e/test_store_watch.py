@@ -34,6 +34,9 @@ class FlakyEngine:
     def remove_adapter(self, name: str, missing_ok: bool = False) -> None:
         pass
 
+    def adapter_changed(self, name: str) -> None:
+        pass
+
     def unpin_adapter(self, name: str) -> None:
         pass
 

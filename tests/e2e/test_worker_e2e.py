@@ -169,6 +169,51 @@ def test_delete_refuses_new_requests_while_running_ones_finish(generate, admin, 
     assert final.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 1500
 
 
+def _alone(model, folder, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of each prompt from an in-process engine that only ever had this adapter."""
+    engine = Engine(EngineConfig(model=str(model), kv_cache_tokens=4096, max_model_len=2048))
+    engine.add_adapter("x", folder)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [out.token_ids for out in engine.generate([Request(p, "x", params) for p in prompts])]
+
+
+@pytest.mark.parametrize("change", ["re-register", "delete"])
+def test_streams_finish_on_the_content_they_began_with_when_the_store_changes_it(
+    tmp_path, long_model, store, admin, sources_root, tiny_adapters, change
+):
+    """Two 608-position streams in an 800-position KV cache, host memory for no idle adapter: the
+    store re-registers or deletes their adapter while they run, then the newer stream is
+    preempted, its adapter's old content reloaded by digest from the worker's disk cache, and it
+    is computed again: both end with the old content's tokens alone."""
+    name, prompts, max_tokens = f"versioned-{change}", [[5, 6, 7, 8], [9, 10, 11, 12]], 600
+    register(admin, name, f"file://{sources_root / 'all8'}")
+    flags = ("--kv-cache-tokens", "800", "--max-cpu-loras", "0")
+    worker = WorkerProcess(long_model, store.address, tmp_path / "cache", *flags).start()
+    expected = _alone(long_model, tiny_adapters["llama"]["all8"], prompts, max_tokens)
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = inference_grpc.InferenceServiceStub(channel)
+        streams = [
+            stub.Generate(_request(name, p, max_tokens, ignore_eos=True), timeout=120) for p in prompts
+        ]
+        tokens = [list(next(stream).delta.token_ids) for stream in streams]
+        if change == "re-register":
+            register(admin, name, f"file://{sources_root / 'pattern'}")
+            short = _alone(long_model, tiny_adapters["llama"]["pattern"], prompts[:1], 4)[0]
+            until(lambda: _tokens(stub, _request(name, prompts[0], 4, ignore_eos=True))[0] == short)
+        else:
+            admin.DeleteAdapter(store_pb.DeleteAdapterRequest(adapter_id=name), metadata=AUTH)
+            until(lambda: _status(stub, _request(name, [5], 2)) == grpc.StatusCode.NOT_FOUND)
+        assert stub.GetStats(pb.GetStatsRequest()).num_preemptions == 0, (
+            "the change landed after a preemption"
+        )
+        for stream, got in zip(streams, tokens, strict=True):
+            got += [t for response in stream for t in response.delta.token_ids]
+        assert stub.GetStats(pb.GetStatsRequest()).num_preemptions > 0
+    worker.terminate()
+    assert worker.wait() == 0
+    assert tokens == expected
+
+
 def test_worker_keeps_serving_through_a_store_outage(generate, admin, store, sources_root, in_process):
     register(admin, "late", f"file://{sources_root / 'pattern'}")
     held_adapter, ids, max_tokens = WORKLOAD[1]

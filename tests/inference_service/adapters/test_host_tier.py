@@ -20,10 +20,13 @@ class GatedLoader:
         self.gate = threading.Event()
         self.gate.set()
 
-    def load(self, name: str) -> ReadyAdapter:
+    def load(self, name: str, digest: str | None = None) -> ReadyAdapter:
         self.started.append(name)
         self.gate.wait(10)
         return ReadyAdapter(name, f"digest-{name}", NO_IMAGE)
+
+    def digest_of(self, name: str) -> str | None:
+        return f"digest-{name}"
 
     def __contains__(self, name: str) -> bool:
         return True
@@ -190,10 +193,10 @@ def test_loads_run_their_torch_ops_on_their_own_thread():
     threads = []
 
     class CountingLoader(GatedLoader):
-        def load(self, name: str) -> ReadyAdapter:
+        def load(self, name: str, digest: str | None = None) -> ReadyAdapter:
             torch.ones(1 << 20).mul_(2)
             threads.append(torch.get_num_threads())
-            return super().load(name)
+            return super().load(name, digest)
 
     tier = HostTier(4, CountingLoader(), pin_memory=False)
     _load(tier, "a", "b")

@@ -199,10 +199,10 @@ class GatedLoader(LocalAdapterLoader):
         self.calls: list[str] = []
         self.gate = threading.Event()
 
-    def load(self, name):
+    def load(self, name, digest=None):
         self.calls.append(name)
         self.gate.wait(timeout=30)
-        return super().load(name)
+        return super().load(name, digest)
 
 
 def _gated_loader(tiny_models) -> GatedLoader:

@@ -33,10 +33,10 @@ class TamperingLoader(LocalAdapterLoader):
     def __contains__(self, name: str) -> bool:
         return name in self.tampered or super().__contains__(name)
 
-    def load(self, name: str) -> ReadyAdapter:
+    def load(self, name: str, digest: str | None = None) -> ReadyAdapter:
         if name in self.tampered:
             return ReadyAdapter.of(name, self.tampered[name], self._model, torch.float32)
-        return super().load(name)
+        return super().load(name, digest)
 
 
 def _tampered(tiny_models, tiny_adapters) -> dict[str, AdapterWeights]:
@@ -206,7 +206,7 @@ def test_an_engine_failure_ends_every_request_and_refuses_new_ones(tiny_models, 
 class FullDiskLoader(LocalAdapterLoader):
     """Every load fails as a fetch into a full adapter cache would."""
 
-    def load(self, name: str) -> ReadyAdapter:
+    def load(self, name: str, digest: str | None = None) -> ReadyAdapter:
         raise OSError(errno.ENOSPC, "No space left on device")
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
-from inference_service.adapters.host_tier import ReadyAdapter
+from inference_service.adapters.host_tier import ReadyAdapter, Version
 from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
@@ -39,37 +39,48 @@ def _image(rank: int) -> AdapterImage:
 
 
 class FakeHost:
-    """What the scheduler asks of HostTier: get(name) is the ready adapter, or None while it
-    loads. A name not ready starts loading when first asked and lands `load_steps` collects
-    later (None: only when the test calls install)."""
+    """What the scheduler asks of HostTier: get(name, digest) is that version ready (digest None:
+    the name's current one), or None while it loads. A name not ready starts loading when first
+    asked and lands `load_steps` collects later (None: only when the test calls install). Every
+    version installed stays gettable by its digest until evicted, as the real tier keeps the
+    versions requests are bound to."""
 
     def __init__(self, ready: tuple[str, ...], load_steps: int | None, ranks: dict[str, int]):
         self.ranks = ranks  # adapter name -> its rank on q_proj (default 8: one page)
-        self._ready = {name: ReadyAdapter(name, f"digest-{name}", self._image(name)) for name in ready}
+        self._ready: dict[str, ReadyAdapter] = {}
+        self._versions: dict[Version, ReadyAdapter] = {}
         self._loading: dict[str, int | None] = {}
+        for name in ready:
+            self.install(name)
         self.load_steps = load_steps
         self.held: Counter[str] = Counter()  # name -> waiting requests that use it
         self.arrivals: Counter[str] = Counter()  # name -> requests that arrived for it
+        self.bound: Counter[Version] = Counter()  # version -> unfinished requests bound to it
 
-    def hold(self, name: str) -> None:
+    def hold(self, name: str, digest: str | None = None) -> None:
         self.arrivals[name] += 1
-        self.keep(name)
+        self.keep(name, digest)
 
-    def keep(self, name: str) -> None:
+    def keep(self, name: str, digest: str | None = None) -> None:
         self.held[name] += 1
-        self.get(name)
+        self.get(name, digest)
 
     def release(self, name: str) -> None:
         self.held[name] -= 1
         assert self.held[name] >= 0, f"{name} released more often than held"
 
-    def get(self, name: str) -> ReadyAdapter | None:
-        if name not in self._ready:
-            self._loading.setdefault(name, self.load_steps)
-        return self._ready.get(name)
+    def bind(self, version: Version) -> None:
+        self.bound[version] += 1
 
-    def peek(self, name: str) -> ReadyAdapter | None:
-        return self._ready.get(name)
+    def unbind(self, version: Version) -> None:
+        self.bound[version] -= 1
+        assert self.bound[version] >= 0, f"{version} unbound more often than bound"
+
+    def get(self, name: str, digest: str | None = None) -> ReadyAdapter | None:
+        ready = self._versions.get(Version(name, digest)) if digest else self._ready.get(name)
+        if ready is None:
+            self._loading.setdefault(name, self.load_steps)
+        return ready
 
     def collect(self) -> None:
         for name, left in list(self._loading.items()):
@@ -80,18 +91,24 @@ class FakeHost:
 
     def evict(self, name: str) -> None:
         """The host tier dropped the adapter: the next get starts its load again."""
-        self._ready.pop(name)
+        del self._versions[self._ready.pop(name).version]
 
     def install(self, name: str, digest: str | None = None) -> None:
         """The load lands; a new digest is the name re-registered with new weights."""
         self._loading.pop(name, None)
-        self._ready[name] = ReadyAdapter(name, digest or f"digest-{name}", self._image(name))
+        ready = ReadyAdapter(name, digest or f"digest-{name}", self._image(name))
+        self._ready[name] = self._versions[ready.version] = ready
 
     def _image(self, name: str) -> AdapterImage:
         return _image(self.ranks.get(name, 8))
 
     def digest(self, name: str) -> str:
         return self._ready[name].digest
+
+    def current(self, name: str | None) -> str | None:
+        """What the engine binds a new request to: the loader's digest of the name, known here
+        once its first load landed."""
+        return self._ready[name].digest if name in self._ready else None
 
     def digests(self) -> set[str]:
         return {ready.digest for ready in self._ready.values()}
@@ -113,10 +130,12 @@ class Rig:
         adapter: str | None = None,
         tokens: list[int] | None = None,
     ) -> Sequence:
-        """A request of `tokens` (default: prompt_len tokens no other request has)."""
+        """A request of `tokens` (default: prompt_len tokens no other request has), bound to its
+        adapter's current content as Engine.submit binds it."""
         self.added += 1
         prompt = tokens or [self.added * 1000 + i for i in range(prompt_len)]
-        seq = Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), adapter)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        seq = Sequence(request_id, prompt, params, adapter, self.host.current(adapter))
         self.scheduler.add(seq)
         return seq
 
@@ -609,7 +628,7 @@ def _check_state(rig: Rig, schedule: Schedule | None = None) -> None:
     assert len(running) <= MAX_NUM_SEQS
     assert len({s.adapter for s in running if s.adapter}) <= MAX_LORAS
     for seq in running:
-        expected = rig.slots.resident(rig.host.digest(seq.adapter)) if seq.adapter else -1
+        expected = rig.slots.resident(seq.digest) if seq.adapter else -1
         assert seq.slot == expected
         positions = seq.num_computed + scheduled.get(id(seq), 0)
         assert len(seq.block_table) == -(-positions // BLOCK_SIZE)  # no block taken ahead of need
@@ -619,6 +638,9 @@ def _check_state(rig: Rig, schedule: Schedule | None = None) -> None:
     assert all(not s.block_table and s.slot == -1 for s in rig.scheduler.waiting)
     waiting_names = Counter(s.adapter for s in rig.scheduler.waiting if s.adapter)
     assert +rig.host.held == waiting_names  # the host tier keeps what waiting requests name
+    bound = Counter(Version(s.adapter, s.digest) for s in rig.scheduler.sequences if s.digest)
+    assert +rig.host.bound == bound  # and the versions unfinished requests are bound to
+    assert all(s.digest for s in running if s.adapter)  # bound by the time it runs
 
 
 def _check_schedule(rig: Rig, schedule: Schedule, resident_before: set[str]) -> None:
