@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 
 from .app import create_app
-from .config import DEFAULT_MAX_BODY_BYTES, GatewayConfig, HttpsFiles, UpstreamTls
+from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_GENERATIONS, GatewayConfig, HttpsFiles, UpstreamTls
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ssl-ca-certs", type=Path, help="PEM CA: HTTPS clients must present a certificate it signed"
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    p.add_argument(
+        "--max-generations-per-request",
+        type=int,
+        default=DEFAULT_MAX_GENERATIONS,
+        help="Generate calls (prompts × n) one request may start; more get 400",
+    )
     p.add_argument("--timeout", type=float, help="deadline in seconds of each gRPC call (default none)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
     return p.parse_args(argv)
@@ -72,6 +78,7 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         upstream_tls=UpstreamTls(args.tls_ca, args.tls_cert, args.tls_key),
         https=https,
         max_body_bytes=args.max_body_bytes,
+        max_generations_per_request=args.max_generations_per_request,
         timeout_s=args.timeout,
         drain_timeout_s=args.drain_timeout,
     )

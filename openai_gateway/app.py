@@ -41,6 +41,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     limit = config.max_body_bytes
+    max_generations = config.max_generations_per_request
 
     def api_key(request: Request) -> None:
         require_bearer(request, config.api_key, "API key")
@@ -54,16 +55,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         api_key(request)
-        return await completions.chat(
-            request, await parse_body(request, ChatCompletionRequest, limit), upstream, metrics
-        )
+        body = await parse_body(request, ChatCompletionRequest, limit)
+        body.bound_generations(max_generations)
+        return await completions.chat(request, body, upstream, metrics)
 
     @app.post("/v1/completions")
     async def text_completions(request: Request):
         api_key(request)
-        return await completions.text(
-            request, await parse_body(request, CompletionRequest, limit), upstream, metrics
-        )
+        body = await parse_body(request, CompletionRequest, limit)
+        body.bound_generations(max_generations)
+        return await completions.text(request, body, upstream, metrics)
 
     @app.get("/v1/models")
     async def list_models(request: Request):

@@ -5,6 +5,9 @@ from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # the worker's own request message limit: a larger prompt fails there anyway
 MAX_N = 16  # samples one request may ask for; each is a Generate call of its own
+# Generate calls (prompts × n) one request may start. OpenAI caps n alone at 128; at half the
+# worker's default --max-pending (256), one request cannot fill the worker's admission by itself.
+DEFAULT_MAX_GENERATIONS = 128
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,17 @@ class GatewayConfig:
     upstream_tls: UpstreamTls = field(default_factory=UpstreamTls)
     https: HttpsFiles | None = None  # None: plain HTTP
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_generations_per_request: int = DEFAULT_MAX_GENERATIONS  # prompts × n; more is a 400
     timeout_s: float | None = None  # deadline of each gRPC call; None = none
     drain_timeout_s: float = 30.0  # after SIGTERM, how long requests in flight may take
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_generations_per_request < 1:
+            raise ValueError(
+                f"max_generations_per_request must be at least 1, got {self.max_generations_per_request}"
+            )
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.drain_timeout_s < 0:

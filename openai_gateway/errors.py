@@ -52,10 +52,15 @@ def model_not_found(model: str) -> ApiError:
 def invalid_body(error: ValidationError) -> ApiError:
     """What is wrong with a body, naming its parameter as a dotted path (messages.0.role). Of a
     union's errors, the one that got furthest into the value says most (an image part is a list
-    entry whose type is not "text", rather than "not a string")."""
-    deepest = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
+    entry whose type is not "text", rather than "not a string"); at equal depth, one about a value
+    of the right type (token id 2**70 is past int32, rather than "not a string")."""
+    deepest = max(error.errors(include_url=False), key=lambda e: (len(e["loc"]), _right_type(e)))
     param = ".".join(str(part) for part in deepest["loc"] if not _union_tag(part)) or None
     return ApiError(400, f"{param or 'body'}: {deepest['msg']}", param)
+
+
+def _right_type(error: dict) -> bool:
+    return not error["type"].endswith("_type")
 
 
 def _union_tag(part: str | int) -> bool:

@@ -6,7 +6,6 @@ so a request never gets silently different sampling than it asked for. top_k, mi
 repetition_penalty, ignore_eos and stop_token_ids are accepted as extensions (vLLM's extra_body).
 """
 
-import json
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -16,6 +15,8 @@ from .config import MAX_N
 from .errors import ApiError, invalid_body
 
 MAX_LOGPROBS = 20  # the worker's bound on alternatives per token
+INT32_MAX = (1 << 31) - 1  # token ids, max_tokens and top_k are int32 in the worker's proto
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # OpenAI parameters that are accepted only at a value that changes nothing.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
@@ -51,8 +52,8 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")  # extras are checked against NEUTRAL below
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None
@@ -62,11 +63,11 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label; nothing here acts on it
     # Extensions, as vLLM takes them.
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -80,6 +81,24 @@ class Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
         return self
+
+    @property
+    def prompt_count(self) -> int:
+        """Prompts in the request (a chat is one), each sampled n times."""
+        return 1
+
+    def bound_generations(self, limit: int) -> None:
+        """Each (prompt, sample) pair is a Generate call of its own: past `limit` of them the request
+        is refused before any starts, so one small body cannot fill the worker for everyone."""
+        prompts = self.prompt_count
+        if prompts * self.n > limit:
+            raise ApiError(
+                400,
+                f"This request asks for {prompts} prompt(s) × n={self.n} = {prompts * self.n} "
+                f"generations; this server starts at most {limit} per request.",
+                "n" if prompts == 1 else "prompt",
+                "too_many_generations",
+            )
 
     @property
     def include_usage(self) -> bool:
@@ -138,7 +157,7 @@ class ChatCompletionRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
 
@@ -153,6 +172,10 @@ class CompletionRequest(Sampling):
     @property
     def alternatives(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompts())
 
     def prompts(self) -> list[dict]:
         """Each prompt as the SDK's input argument: {"prompt": text} or {"token_ids": ids}."""
@@ -178,10 +201,12 @@ class UnloadLoraRequest(BaseModel):
 
 async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
     """The request's JSON body as `model`: 413 past `limit` bytes (before reading it when its
-    Content-Length says so), 400 naming what is wrong."""
-    data = _json(await _read(request, limit))
+    Content-Length says so), 400 naming what is wrong. pydantic parses the JSON, not json.loads,
+    which recurses on nesting until RecursionError, raises a bare ValueError on a 5,000-digit number
+    and returns lone surrogates that fail once encoded: pydantic refuses all three as invalid JSON."""
+    body = await _read(request, limit)
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise invalid_body(e) from None
 
@@ -196,13 +221,3 @@ async def _read(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise too_large
     return bytes(body)
-
-
-def _json(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"The request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"The request body must be a JSON object, got {type(data).__name__}")
-    return data

@@ -1,7 +1,9 @@
 """Samples: the Generate calls of one OpenAI request, one per (prompt, n) pair, run at once.
 
 Every call's first message is awaited before the HTTP response starts, so a request the worker
-refuses (unknown adapter, bad sampling, overload) gets its own HTTP status even when streamed.
+refuses (unknown adapter, bad sampling, overload) gets its own HTTP status even when streamed. The
+first refusal is answered at once: the calls still waiting for their first message (queued behind
+others in a busy worker) are cancelled, not awaited.
 After that the calls' deltas are merged in arrival order, each tagged with its choice index.
 Leaving early (a client gone, an error) cancels every call still running; the worker then frees
 the requests within a step.
@@ -70,7 +72,7 @@ class Samples:
         request_id: str,
     ) -> "Samples":
         """Starts n calls per input (seeds seed, seed + 1, ...: n different samples that repeat
-        with the seed) and waits for each one's first message."""
+        with the seed) and waits for each one's first message, or for the first failure."""
         samples = [
             _Sample(
                 client.generate(
@@ -81,11 +83,11 @@ class Samples:
             for j in range(n)
         ]
         started = cls(samples, n, model)
-        peeked = await asyncio.gather(*(s.peek() for s in samples), return_exceptions=True)
-        failure = next((p for p in peeked if isinstance(p, BaseException)), None)
-        if failure is not None:
+        try:
+            await asyncio.gather(*(s.peek() for s in samples))
+        except BaseException as e:  # the others still peeking run on until closed here
             started.close()
-            raise started.api_error(failure)
+            raise started.api_error(e) from None
         return started
 
     def api_error(self, error: BaseException) -> BaseException:

@@ -1,9 +1,12 @@
 """Every refusal in OpenAI's error shape with the status users expect, the gateway serving on."""
 
+import http.client
 import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import openai
@@ -128,6 +131,130 @@ def test_malformed_json_and_bodies_too_large(gateway):
     )
 
 
+@contextmanager
+def connection(gateway, timeout_s: float) -> Iterator[http.client.HTTPConnection]:
+    """A raw connection, for what urllib cannot send (a chunked body, headers without their body);
+    closed after, so a gateway left waiting for the rest of a body can still stop."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def test_a_chunked_body_past_the_limit_is_413(gateway):
+    """A chunked body declares no length: the gateway counts its bytes as they arrive."""
+    body = b'{"model": "all8", "prompt": "' + b"x" * 70_000 + b'", "max_tokens": 1}'
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    chunks = (body[i : i + 8192] for i in range(0, len(body), 8192))
+    with connection(gateway, timeout_s=30) as raw:
+        raw.request("POST", "/v1/completions", chunks, headers, encode_chunked=True)
+        reply = raw.getresponse()
+        assert reply.status == 413 and "65536 bytes" in json.loads(reply.read())["error"]["message"]
+
+
+def test_a_declared_length_past_the_limit_is_413_before_the_body_is_sent(gateway):
+    """The refusal needs only the headers: a client is not made to upload what will be thrown away
+    (here it never sends the body, so a gateway that waited for it would time out)."""
+    with connection(gateway, timeout_s=5) as raw:
+        raw.putrequest("POST", "/v1/completions")
+        raw.putheader("authorization", f"Bearer {API_KEY}")
+        raw.putheader("content-length", "1000000")
+        raw.endheaders()
+        reply = raw.getresponse()
+        assert reply.status == 413 and "error" in json.loads(reply.read())
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"prompt": [2**70]}, "prompt.0"),
+        ({"prompt": [[5, 2**31]]}, "prompt.0.1"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+        ({"stop_token_ids": [2**70]}, "stop_token_ids.0"),
+    ],
+)
+def test_integers_past_int32_are_400_naming_the_parameter(gateway, extra, param):
+    body = {"model": "all8", "prompt": "hi", "max_tokens": 1} | extra
+    reply = post(gateway, "/v1/completions", json.dumps(body).encode())
+    assert reply.status_code == 400, reply.body
+    assert reply.json()["error"] == {
+        "message": f"{param}: Input should be less than or equal to 2147483647",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
+
+
+NESTED = b"[" * 30_000 + b"]" * 30_000  # 60 KB
+UNREADABLE = {  # (path, body): json.loads raises RecursionError or ValueError, or reads a lone surrogate
+    "nested-completion": ("/v1/completions", NESTED),
+    "nested-chat": ("/v1/chat/completions", NESTED),
+    "5000-digit-token": ("/v1/completions", b'{"model": "all8", "prompt": [' + b"7" * 5_000 + b"]}"),
+    "surrogate-prompt": ("/v1/completions", b'{"model": "all8", "prompt": "\\ud800", "max_tokens": 1}'),
+    "surrogate-content": (
+        "/v1/chat/completions",
+        b'{"model": "all8", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}',
+    ),
+    "surrogate-model": ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}'),
+}
+
+
+@pytest.mark.parametrize(("path", "body"), UNREADABLE.values(), ids=UNREADABLE)
+def test_json_past_what_the_parser_takes_is_400_naming_the_body(gateway, path, body):
+    logged = len(gateway.log.read_text())
+    reply = post(gateway, path, body)
+    assert reply.status_code == 400, reply.body[:300]
+    error = reply.json()["error"]
+    assert error["message"].startswith("body: Invalid JSON") and error["param"] is None, error
+    assert "Traceback" not in gateway.log.read_text()[logged:]
+    assert (
+        post(gateway, "/v1/completions", b'{"model": "all8", "prompt": "hi", "max_tokens": 1}').status_code
+        == 200
+    )
+
+
+def worker_calls(worker) -> int:
+    """Generate calls the worker has seen: finished ones and those in flight."""
+    stats = worker_stats(worker)
+    return sum(r.count for r in stats.requests) + stats.in_flight
+
+
+def test_prompts_times_n_past_the_bound_is_400_before_any_call_starts(gateway, worker):
+    calls = worker_calls(worker)
+    body = {"model": "all8", "prompt": [[5, 6]] * 128, "n": 16, "max_tokens": 1}  # a 1 KB body
+    reply = post(gateway, "/v1/completions", json.dumps(body).encode())
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "too_many_generations")
+    assert "128 prompt(s) × n=16 = 2048 generations" in error["message"] and "at most 128" in error["message"]
+    assert worker_calls(worker) == calls
+    body["prompt"] = [[5, 6]] * 8  # 8 × 16: exactly the bound
+    reply = post(gateway, "/v1/completions", json.dumps(body).encode())
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 128
+
+
+def test_the_bound_is_a_flag_and_a_chats_n_counts_against_it(worker, store, tmp_path):
+    flags = ["--worker", worker.address, "--store", store.address, "--max-generations-per-request", "4"]
+    gateway = GatewayProcess(tmp_path / "gateway.log", *flags)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as raised:
+                client.chat.completions.create(model="all8", n=5, **CHAT)
+            assert error_of(raised)["param"] == "n"
+            assert (
+                "1 prompt(s) × n=5 = 5 generations; this server starts at most 4"
+                in error_of(raised)["message"]
+            )
+            reply = client.completions.create(model="all8", prompt=[[5], [6]], n=2, max_tokens=1)
+            assert len(reply.choices) == 4
+    finally:
+        assert gateway.stop() == 0
+
+
 def test_a_missing_or_wrong_api_key_is_401(gateway):
     bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-wrong", max_retries=0)
     with bad, pytest.raises(openai.AuthenticationError) as raised:
@@ -190,6 +317,39 @@ def test_overload_is_429_and_deadlines_504(busy_worker, store, tmp_path, base_na
             with pytest.raises(openai.APIStatusError) as raised:
                 client.completions.create(**long)  # a second's deadline; 4000 tokens take longer
             assert raised.value.status_code == 504
+    finally:
+        assert gateway.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def one_seq_worker(tmp_path_factory, chat_model):
+    """A worker that runs one sequence at a time and holds two calls: the second waits its turn."""
+    cache = tmp_path_factory.mktemp("one-seq") / "cache"
+    process = WorkerProcess(chat_model, None, cache, "--max-pending", "2", "--max-num-seqs", "1").start()
+    yield process
+    process.terminate()
+    process.wait()
+
+
+def test_a_refused_sample_is_answered_at_once_and_its_waiting_sibling_cancelled(
+    one_seq_worker, store, tmp_path, base_name
+):
+    """Behind a running stream, of n=2 samples the worker admits one to wait and refuses the other:
+    the 429 comes at once, not when the waiting sibling's first token would, and the sibling leaves
+    the worker rather than holding its place for a request already answered."""
+    flags = ["--worker", one_seq_worker.address, "--store", store.address]
+    gateway = GatewayProcess(tmp_path / "gateway.log", *flags)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+            long = dict(model=base_name, prompt=[5], max_tokens=4000, extra_body={"ignore_eos": True})
+            stream = client.completions.create(stream=True, **long)
+            next(iter(stream))
+            asked = time.monotonic()
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(n=2, **long)
+            assert time.monotonic() - asked < 1.0
+            until(lambda: worker_stats(one_seq_worker).in_flight == 1, timeout_s=1)  # the stream alone
+            stream.close()
     finally:
         assert gateway.stop() == 0
 
