@@ -48,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", type=Path, help="HF model folder adapters are validated against")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="serving dtype of stored blobs")
     p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest source file accepted")
+    p.add_argument(
+        "--max-adapter-bytes",
+        type=int,
+        default=0,
+        help="largest source file accepted (0: as large as an adapter of --max-lora-rank on every module "
+        "of --base-model can be in float32, at least 1 GiB; 1 GiB without --base-model)",
+    )
     p.add_argument(
         "--catalog",
         help="s3://bucket/prefix: a catalog and blobs shared with other stores, through --s3-endpoint "

@@ -6,29 +6,38 @@ for; a store that stalls, lies about sizes or never stops only costs its own fet
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 
 from shared import adapter_blob
+from shared.blob_limit import FLOOR_BYTES, default_max_adapter_bytes
 from shared.errors import FailedPrecondition, InvalidArgument, LoramuxError, NotFound, Unavailable, quoted
+from shared.model_config import ModelConfig
 from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True)
 class FetchLimits:
-    max_bytes: int = 1 << 30  # largest blob a worker takes (the store's own default limit)
+    # Largest blob a worker takes; 0 (the flag's default): for_model sizes it for the base model.
+    # Loaders built in process without a model at hand take 1 GiB.
+    max_bytes: int = FLOOR_BYTES
     idle_timeout_s: float = 10.0  # longest wait for the next message of a fetch
     timeout_s: float = 120.0  # longest a whole fetch may take
 
     def __post_init__(self):
-        if self.max_bytes < 1:
-            raise InvalidArgument(f"max_adapter_bytes must be at least 1, got {self.max_bytes}")
+        if self.max_bytes < 0:
+            raise InvalidArgument(f"max_adapter_bytes must not be negative, got {self.max_bytes}")
         for name, value in (("fetch_idle_timeout", self.idle_timeout_s), ("fetch_timeout", self.timeout_s)):
             if not value > 0:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, got {value}")
+
+    def for_model(self, model: ModelConfig, max_rank: int) -> "FetchLimits":
+        """These limits, a max_bytes of 0 made the largest blob an adapter of rank `max_rank` on
+        `model` can be (at least 1 GiB): an MoE adapter is many times a dense one's size."""
+        return replace(self, max_bytes=self.max_bytes or default_max_adapter_bytes(model, max_rank))
 
 
 class IdleWatchdog:

@@ -81,6 +81,32 @@ def adapter_memory_units(config: EngineConfig, model: ModelConfig) -> int:
     return memory_units(model, memory, config.torch_dtype)
 
 
+def check_device_room(config: EngineConfig, model: ModelConfig, weights: int, kv: int, budget: int) -> None:
+    """Refuse to start when the base weights (`weights` bytes), the adapter memory and the KV
+    cache of one max_model_len request (`kv` bytes) exceed the `budget` bytes the device gives
+    them: allocating them would end in an out-of-memory error that names none of them. An MoE
+    model's adapters are large (an expert target's page holds every expert's rows: a rank-64
+    adapter on every module of Qwen3-30B-A3B is 6.8 GB in bfloat16), so the default of
+    max_loras adapters of max_lora_rank may not fit beside its weights."""
+    memory = adapter_memory_units(config, model) * unit_bytes(model, config.torch_dtype)
+    if weights + memory + kv <= budget:
+        return
+    one = slot_memory(model, 1, config.max_lora_rank, config.torch_dtype)
+    sized = (
+        f"--adapter-memory {config.adapter_memory:,}"
+        if config.adapter_memory
+        else f"--max-loras {config.max_loras} adapters of --max-lora-rank {config.max_lora_rank}"
+    )
+    raise InvalidArgument(
+        f"the base weights ({weights:,} bytes), the adapter memory ({memory:,} bytes: {sized}) and the "
+        f"KV cache of one max_model_len request ({kv:,} bytes) need {weights + memory + kv:,} bytes, more "
+        f"than the {budget:,} bytes --gpu-memory-utilization {config.gpu_memory_utilization:g} leaves on "
+        f"this GPU; beside the rest there is room for {max(0, budget - weights - kv) // one} adapters of "
+        f"max_lora_rank {config.max_lora_rank} on every module ({one:,} bytes each in {config.dtype}): "
+        "lower --max-loras or --max-lora-rank, or set --adapter-memory"
+    )
+
+
 def unit_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
     """Device bytes of one unit over all layers."""
     return model.num_layers * unit_elements(model) * dtype.itemsize

@@ -8,6 +8,7 @@ import torch
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.engine.adapter_memory import (
     adapter_memory_units,
+    check_device_room,
     page_units,
     unit_elements,
 )
@@ -21,7 +22,7 @@ from inference_service.model.base_weight import weight_bytes
 from inference_service.model.decode_buffers import DecodeBuffers
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
-from inference_service.model.model import LlamaModel
+from inference_service.model.model import LlamaModel, model_bytes
 from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
@@ -47,6 +48,8 @@ class ModelRunner:
         self.lora_units = adapter_memory_units(config, self.model_config)
         self._page_widths = [n * self.lora_unit for n in page_units(self.model_config)]  # [targets]
         self.quantization = self._quantization()
+        if self.device.type == "cuda":
+            self._check_device_room()
         self.model = LlamaModel(
             self.model_config,
             self.lora_units,
@@ -81,6 +84,16 @@ class ModelRunner:
                 f"model folder {self.config.model} holds {stored} weights, not {asked} ones (--quantization)"
             )
         return stored
+
+    def _check_device_room(self) -> None:
+        """Before anything is allocated: the weights, adapter memory and one request's KV cache
+        must fit in --gpu-memory-utilization of the GPU, less what other processes hold."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        config, model = self.config, self.model_config
+        budget = int(config.gpu_memory_utilization * total) - (total - free)
+        weights = model_bytes(model, config.torch_dtype, self.quantization)
+        kv = -(-self.max_model_len // config.block_size) * bytes_per_block(model, config)
+        check_device_room(config, model, weights, kv, budget)
 
     def _kv_blocks(self) -> int:
         """As --kv-cache-tokens says, or as memory allows; refused when one max_model_len request

@@ -160,3 +160,11 @@ class LlamaModel(nn.Module):
             x = layer(x, batch, cache, cos, sin)
         x = self.norm(x[batch.logit_rows])  # [rows, hidden]
         return F.linear(x, self.lm_head).float()  # [rows, vocab]
+
+
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none") -> int:
+    """Device bytes of the model's weights in `dtype` and `quantization` (adapter memory aside),
+    counted on a build on the meta device: nothing is allocated, so this can be asked before a
+    GPU is known to hold them."""
+    model = LlamaModel(cfg, 0, 1, dtype, "meta", quantization)
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

@@ -115,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request message taken in (default 4 MiB); longer ones are refused unread",
     )
-    p.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest adapter blob fetched")
+    p.add_argument(
+        "--max-adapter-bytes",
+        type=int,
+        default=0,
+        help="largest adapter blob fetched (0: as large as an adapter of --max-lora-rank on every module "
+        "of the model can be in float32, at least 1 GiB)",
+    )
     p.add_argument("--fetch-idle-timeout", type=float, default=10.0, help="seconds a fetch may go silent")
     p.add_argument("--fetch-timeout", type=float, default=120.0, help="seconds one adapter fetch may take")
     p.add_argument("--api-token", default=os.environ.get("LORAMUX_API_TOKEN"), help="token Generate needs")

@@ -113,7 +113,8 @@ def _build_engine(config: WorkerConfig, store: grpc.Channel | None) -> tuple[Eng
         return engine, None
     e = config.engine
     model = ModelConfig.from_dir(e.model)
-    loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype, config.fetch)
+    limits = config.fetch.for_model(model, e.max_lora_rank)
+    loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype, limits)
     engine = Engine(e, loader)
     engine.start()
     watch = StoreWatch(store, engine, loader)

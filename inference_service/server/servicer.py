@@ -7,7 +7,7 @@ from inference_service.engine import Engine
 from inference_service.server import convert
 from inference_service.server.admission import Admission
 from inference_service.server.prometheus_metrics import WorkerMetrics
-from inference_service.server.request_log import request_log
+from inference_service.server.request_log import CancelLog, request_log
 from shared.errors import Unavailable
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -19,6 +19,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(self, admission: Admission, metrics: WorkerMetrics):
         self.admission, self.metrics = admission, metrics
         self.engine: Engine | None = None  # set once the model is loaded: readiness
+        self.cancels = CancelLog()
 
     def _ready_engine(self) -> Engine:
         if self.engine is None:
@@ -30,7 +31,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Admission before tokenizing: an overloaded worker refuses at once (and that is counted).
         with (
             self.metrics.generate_call(request.adapter) as call,
-            request_log(worker_request_id, request.request_id, request.adapter),
+            request_log(worker_request_id, request.request_id, request.adapter, self.cancels),
             self.admission.enter(),
         ):
             engine = self._ready_engine()

@@ -4,6 +4,7 @@ endpoint is refused with the right error class and a message naming the thing at
 
 S3 runs against moto's server: the real S3 HTTP API on loopback, through boto3 as in production."""
 
+import json
 import pickle
 import re
 import shutil
@@ -17,10 +18,12 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
+from adapter_store.__main__ import parse_config
 from adapter_store.config import StoreConfig
 from adapter_store.sources import Sources
 from shared.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from shared.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
+from tests.model_shapes import QWEN3_30B_A3B_CONFIG
 
 CHECKPOINT = (CONFIG_FILE, WEIGHTS_FILE)
 # moto keeps one S3 state per process, shared with other modules' servers: a bucket of our own.
@@ -164,6 +167,21 @@ def test_local_oversize_file_is_refused(checkpoint, tmp_path, dest):
     with pytest.raises(InvalidArgument, match=_named(WEIGHTS_FILE, f"is {size} bytes", f"{limit} bytes")):
         _fetch(f"file://{checkpoint}", _config(tmp_path, max_adapter_bytes=limit), dest)
     assert not (dest / WEIGHTS_FILE).exists()
+
+
+def test_the_default_limit_takes_any_adapter_of_max_lora_rank_on_the_base_model(tmp_path):
+    """On Qwen3-30B-A3B a rank-16 adapter on every module is 1.7 GB in bfloat16; the default
+    takes rank 64 in float32 (shared/blob_limit.py), and 1 GiB stays the least it is."""
+    base = tmp_path / "qwen3-30b-a3b"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    flags = ["--data-dir", str(tmp_path / "data"), "--base-model", str(base)]
+    assert parse_config(flags).max_adapter_bytes == 13_537_828_864
+    assert parse_config([*flags, "--max-lora-rank", "16"]).max_adapter_bytes == 3_391_676_416
+    assert parse_config([*flags, "--max-adapter-bytes", "5000"]).max_adapter_bytes == 5000
+    assert parse_config(flags[:2]).max_adapter_bytes == 1 << 30
+    with pytest.raises(InvalidArgument, match="max_adapter_bytes must not be negative, got -1"):
+        _config(tmp_path, max_adapter_bytes=-1)
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux /proc")

@@ -73,6 +73,36 @@ def test_each_value_is_the_nearest_code_times_its_blocks_absmax():
     assert torch.allclose((dequantized - blocks).abs(), best, rtol=0, atol=1e-7)
 
 
+def flat_block_dequantize(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The format as bitsandbytes' quantize and CUDA dequantize lay it out, plainly: value i of the
+    row-major flattened weight is NF4_CODE[code i] * absmax[i // 64], code i in byte i // 2 (the
+    high nibble for even i). A block of 64 runs on into the next row where a row is shorter."""
+    rows, cols = shape
+    values = []
+    for i in range(rows * cols):
+        byte = int(packed[i // 2])
+        code = byte >> 4 if i % 2 == 0 else byte & 0xF
+        values.append(NF4_CODE[code] * float(absmax[i // BLOCK]))  # exact in float64, rounded once
+    return torch.tensor(values, dtype=torch.float32).reshape(rows, cols)
+
+
+# in_features a multiple of 16 but not of 64: blocks straddle two rows, where bitsandbytes' own CPU
+# dequantize reads other values than its quantize wrote (README, quantized base weights).
+@pytest.mark.parametrize("shape", [(2, 96), (4, 160), (8, 48)])
+def test_blocks_across_rows_dequantize_as_the_flat_block_format_lays_them_out(shape):
+    torch.manual_seed(5)
+    weight = torch.randn(*shape) * 0.05
+    packed_ref, state = bnb.quantize_4bit(
+        weight, blocksize=BLOCK, quant_type="nf4", compress_statistics=False
+    )
+
+    packed, absmax = quantize_nf4(weight)
+
+    assert torch.equal(packed, packed_ref.flatten()) and torch.equal(absmax, state.absmax)
+    dequantized = dequantize_nf4(packed, absmax, shape, torch.float32)
+    assert torch.equal(dequantized, flat_block_dequantize(packed, absmax, shape))
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """AdapterMemory and the layout that sizes it: what fits, where pages go, what is evicted."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,12 +13,19 @@ from inference_service.engine.adapter_memory import (
     AdapterMemory,
     SlotStats,
     adapter_bytes,
+    check_device_room,
     memory_units,
     page_units,
     slot_memory,
     unit_elements,
 )
+from inference_service.engine.config import EngineConfig
+from inference_service.engine.kv_budget import bytes_per_block
+from inference_service.engine.model_runner import ModelRunner
+from inference_service.model.model import model_bytes
+from shared.errors import InvalidArgument
 from shared.model_config import ModelConfig
+from tests.model_shapes import QWEN3_30B_A3B_CONFIG
 
 SMOLLM2 = ModelConfig.from_dict(
     {
@@ -45,22 +53,7 @@ def test_smollm2_unit_divides_every_page():
     assert page_units(SMOLLM2) == SMOLLM2_PAGES
 
 
-QWEN3_30B_A3B = ModelConfig.from_dict(
-    {
-        "model_type": "qwen3_moe",
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-    }
-)
+QWEN3_30B_A3B = ModelConfig.from_dict(QWEN3_30B_A3B_CONFIG)
 
 
 def test_an_expert_targets_page_holds_every_experts_rank_rows():
@@ -72,6 +65,43 @@ def test_an_expert_targets_page_holds_every_experts_rank_rows():
     assert adapter_bytes(QWEN3_30B_A3B, down_rank8, torch.bfloat16) == 48 * 128 * 8 * (768 + 2048) * 2
     rank16 = slot_memory(QWEN3_30B_A3B, 1, 16, torch.bfloat16)
     assert rank16 == 48 * 2 * 8 * (6144 + 2560 * 2 + 6144 + 2176 + 3 * 128 * 2816) * 2
+
+
+H100_BYTES = 80 << 30  # nominal; nothing else on the GPU
+
+
+def test_adapter_memory_that_does_not_fit_beside_the_weights_is_refused_at_start_naming_the_bytes():
+    """Qwen3-30B-A3B in bfloat16: 61 GB of weights. Four rank-64 adapters on every module take 27 GB,
+    past 0.9 of an 80 GiB GPU with them; four rank-16 ones (6.8 GB) fit, and so do two rank-64 ones."""
+    weights = model_bytes(QWEN3_30B_A3B, torch.bfloat16)
+    assert weights == 61_064_245_504
+    config = EngineConfig("m", dtype="bfloat16", max_lora_rank=64)
+    kv = 4096 // config.block_size * bytes_per_block(QWEN3_30B_A3B, config)  # one 4,096-token request
+    budget = int(0.9 * H100_BYTES)
+
+    with pytest.raises(InvalidArgument) as refused:
+        check_device_room(config, QWEN3_30B_A3B, weights, kv, budget)
+
+    for part in (
+        "base weights (61,064,245,504 bytes)",
+        "adapter memory (27,056,406,528 bytes: --max-loras 4 adapters of --max-lora-rank 64)",
+        "need 88,523,305,216 bytes, more than the 77,309,411,328 bytes --gpu-memory-utilization 0.9",
+        "room for 2 adapters of max_lora_rank 64 on every module (6,764,101,632 bytes each in bfloat16)",
+    ):
+        assert part in str(refused.value)
+    check_device_room(replace(config, max_lora_rank=16), QWEN3_30B_A3B, weights, kv, budget)
+    check_device_room(replace(config, max_loras=2), QWEN3_30B_A3B, weights, kv, budget)
+    with pytest.raises(InvalidArgument, match=r"\(27,056,406,528 bytes: --adapter-memory 27,056,406,528\)"):
+        check_device_room(replace(config, adapter_memory=27_056_406_528), QWEN3_30B_A3B, weights, kv, budget)
+
+
+@pytest.mark.gpu
+def test_on_cuda_adapter_memory_past_the_gpu_is_refused_before_anything_is_allocated(tiny_models):
+    total, allocated = torch.cuda.mem_get_info()[1], torch.cuda.memory_allocated()
+    config = EngineConfig(str(tiny_models["llama"]), device="cuda", adapter_memory=total)
+    with pytest.raises(InvalidArgument, match=f"bytes: --adapter-memory {total:,}\\)"):
+        ModelRunner(config)
+    assert torch.cuda.memory_allocated() == allocated
 
 
 def test_adapter_bytes_scale_with_rank_and_targets():
