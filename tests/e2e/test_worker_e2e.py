@@ -187,7 +187,7 @@ def test_streams_finish_on_the_content_they_began_with_when_the_store_changes_it
     is computed again: both end with the old content's tokens alone."""
     name, prompts, max_tokens = f"versioned-{change}", [[5, 6, 7, 8], [9, 10, 11, 12]], 600
     register(admin, name, f"file://{sources_root / 'all8'}")
-    flags = ("--kv-cache-tokens", "800", "--max-cpu-loras", "0")
+    flags = ("--kv-cache-tokens", "800", "--max-model-len", "640", "--max-cpu-loras", "0")
     worker = WorkerProcess(long_model, store.address, tmp_path / "cache", *flags).start()
     expected = _alone(long_model, tiny_adapters["llama"]["all8"], prompts, max_tokens)
     with grpc.insecure_channel(worker.address) as channel:
@@ -196,12 +196,12 @@ def test_streams_finish_on_the_content_they_began_with_when_the_store_changes_it
             stub.Generate(_request(name, p, max_tokens, ignore_eos=True), timeout=120) for p in prompts
         ]
         tokens = [list(next(stream).delta.token_ids) for stream in streams]
-        if change == "re-register":
+        admin.DeleteAdapter(store_pb.DeleteAdapterRequest(adapter_id=name), metadata=AUTH)
+        if change == "re-register":  # the store takes a name's new content once the old is deleted
             register(admin, name, f"file://{sources_root / 'pattern'}")
             short = _alone(long_model, tiny_adapters["llama"]["pattern"], prompts[:1], 4)[0]
             until(lambda: _tokens(stub, _request(name, prompts[0], 4, ignore_eos=True))[0] == short)
         else:
-            admin.DeleteAdapter(store_pb.DeleteAdapterRequest(adapter_id=name), metadata=AUTH)
             until(lambda: _status(stub, _request(name, [5], 2)) == grpc.StatusCode.NOT_FOUND)
         assert stub.GetStats(pb.GetStatsRequest()).num_preemptions == 0, (
             "the change landed after a preemption"
