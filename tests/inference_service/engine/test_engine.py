@@ -360,11 +360,21 @@ def test_a_stream_that_falls_behind_catches_up_in_one_delta_with_every_token(tin
     engine = _engine(tiny_models, tiny_adapters)
     params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=2)
     expected = engine.generate([Request([3, 4], "all8", params)])[0]
+    first_taken, run, steps = threading.Event(), engine.runner.run, []
+
+    def second_step_waits_for_the_first_delta(chunks):
+        steps.append(None)
+        if len(steps) == 2 and not first_taken.wait(timeout=5):
+            raise TimeoutError("the consumer took no first delta in 5 s")
+        return run(chunks)
+
+    engine.runner.run = second_step_waits_for_the_first_delta
     engine.start()
 
     async def scenario():
         stream = engine.stream(Request([3, 4], "all8", params))
         first = await stream.__anext__()
+        first_taken.set()
         deadline = time.monotonic() + 5
         while engine.has_work and time.monotonic() < deadline:
             time.sleep(0.01)  # the consumer's loop is busy: every later delta waits for it
