@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from inference_service.model.shard import Shard
 from kernels.lora_batch import PAGE_RANK
 from shared.model_config import LinearShape, ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
@@ -23,9 +24,14 @@ class AdapterImage:
         return tuple(image.shape[0] for image in self.pages)
 
     @classmethod
-    def of(cls, weights: AdapterWeights, model: ModelConfig, dtype: torch.dtype) -> "AdapterImage":
-        """The image in `dtype` (the serving dtype). Raises ValueError for weights the model
-        cannot take: a layer it lacks, or a module shaped for another model."""
+    def of(
+        cls, weights: AdapterWeights, model: ModelConfig, dtype: torch.dtype, shard: Shard | None = None
+    ) -> "AdapterImage":
+        """The image in `dtype` (the serving dtype); under tensor parallelism, of the part of the
+        adapter `shard`'s rank holds. Raises ValueError for weights the model cannot take: a layer
+        it lacks, or a module shaped for another model."""
+        if shard is not None and shard.size > 1:
+            weights, model = shard.adapter(weights, model), shard.config(model)
         shapes, targets = model.linear_shapes(), model.lora_targets
         ranks = tuple(weights.module_ranks.get(target, 0) for target in targets)
         pages = tuple(

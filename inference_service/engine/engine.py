@@ -61,8 +61,9 @@ class Engine:
         self._wakeup = threading.Event()  # set when a step has something new: a submit, a load
         pinned = self.runner.device.type == "cuda"
         self.host = HostTier(config.max_cpu_loras, self.loader, pinned, self._wakeup.set)
+        rank = self.runner.rank_config  # adapter memory holds this rank's part of each adapter
         self.memory = AdapterMemory(
-            self.runner.lora_units, page_units(model), unit_bytes(model, config.torch_dtype)
+            self.runner.lora_units, page_units(rank), unit_bytes(rank, config.torch_dtype)
         )
         blocks = BlockManager(self.runner.num_blocks, config.prefix_caching)
         self.scheduler = Scheduler(config, blocks, self.memory, self.host)

@@ -19,6 +19,7 @@ from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
 from inference_service.model.base_weight import weight_bytes
+from inference_service.model.collectives import Collectives
 from inference_service.model.decode_buffers import DecodeBuffers
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
@@ -40,13 +41,18 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """Under tensor parallelism, one per rank, each running every step's forward together:
+    `parallel` is this rank's part (its Shard) and the group the ranks exchange over."""
+
+    def __init__(self, config: EngineConfig, parallel: Collectives | None = None):
         self.config = config
+        self.parallel = parallel or Collectives()
         self.model_config = ModelConfig.from_dir(config.model)
+        self.rank_config = self.parallel.shard.config(self.model_config)  # the shapes this rank holds
         self.device = torch.device(config.device)
-        self.lora_unit = unit_elements(self.model_config)
-        self.lora_units = adapter_memory_units(config, self.model_config)
-        self._page_widths = [n * self.lora_unit for n in page_units(self.model_config)]  # [targets]
+        self.lora_unit = unit_elements(self.rank_config)
+        self.lora_units = adapter_memory_units(config, self.rank_config)
+        self._page_widths = [n * self.lora_unit for n in page_units(self.rank_config)]  # [targets]
         self.quantization = self._quantization()
         if self.device.type == "cuda":
             self._check_device_room()
@@ -57,6 +63,7 @@ class ModelRunner:
             config.torch_dtype,
             self.device,
             self.quantization,
+            self.parallel,
         )
         load_weights(self.model, config.model)
         self.linear_weight_bytes = weight_bytes(self.model) + expert_weight_bytes(self.model)
@@ -65,8 +72,10 @@ class ModelRunner:
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
         self.graphs = None
-        # An MoE step's expert tiles depend on its routing (read on the host): no graph replays it.
-        if self.device.type == "cuda" and config.cuda_graphs and not self.model_config.moe:
+        # An MoE step's expert tiles depend on its routing (read on the host): no graph replays
+        # it; nor one whose layers exchange with other ranks.
+        eager = self.model_config.moe or self.parallel.size > 1
+        if self.device.type == "cuda" and config.cuda_graphs and not eager:
             self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
 
     def _quantization(self) -> str:
@@ -89,9 +98,9 @@ class ModelRunner:
         """Before anything is allocated: the weights, adapter memory and one request's KV cache
         must fit in --gpu-memory-utilization of the GPU, less what other processes hold."""
         free, total = torch.cuda.mem_get_info(self.device)
-        config, model = self.config, self.model_config
+        config, model = self.config, self.rank_config
         budget = int(config.gpu_memory_utilization * total) - (total - free)
-        weights = model_bytes(model, config.torch_dtype, self.quantization)
+        weights = model_bytes(self.model_config, config.torch_dtype, self.quantization, self.parallel.shard)
         kv = -(-self.max_model_len // config.block_size) * bytes_per_block(model, config)
         check_device_room(config, model, weights, kv, budget)
 
@@ -102,14 +111,14 @@ class ModelRunner:
         if config.kv_cache_tokens:
             blocks = -(-config.kv_cache_tokens // config.block_size)
         elif self.device.type == "cuda":
-            blocks = self._profiled_cuda_blocks()
+            blocks = self.parallel.agree_min(self._profiled_cuda_blocks())  # every rank holds as many
         else:
-            blocks = cpu_blocks(self.model_config, config, self.max_model_len)
+            blocks = cpu_blocks(self.rank_config, config, self.max_model_len)
         check_fits(blocks, config, self.max_model_len, sized_by(config, self.device))
         return blocks
 
     def _kv_cache(self, num_blocks: int) -> KVCache:
-        model = self.model_config
+        model = self.rank_config  # this rank's KV heads
         return KVCache(
             model.num_layers,
             num_blocks,
@@ -132,7 +141,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
-        per_block = bytes_per_block(self.model_config, self.config)
+        per_block = bytes_per_block(self.rank_config, self.config)
         return cuda_blocks(total, free, reserved, peak, self.config.gpu_memory_utilization, per_block)
 
     @torch.inference_mode()
@@ -212,7 +221,7 @@ class ModelRunner:
         pool, unit = self.model.lora_pool, self.lora_unit  # pool: [layers, units*unit]
         widths = self._page_widths
         _check_fits(
-            image, pages, self.model_config.lora_targets, pool.shape[0], widths, self.config.max_lora_rank
+            image, pages, self.rank_config.lora_targets, pool.shape[0], widths, self.config.max_lora_rank
         )
         targets = [pool[:, u * unit : u * unit + widths[t]] for t, units in enumerate(pages) for u in units]
         sources = [page for target_pages in image.pages for page in target_pages]  # [layers, width] each

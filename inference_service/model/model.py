@@ -6,11 +6,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_service.model.attention import attend
+from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.lora_linear import LoRALinear
 from inference_service.model.moe import SparseMoe
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
+from inference_service.model.shard import Shard
+from shared.errors import InvalidArgument
 from shared.model_config import ModelConfig
 
 
@@ -27,12 +30,56 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class SplitRMSNorm(RMSNorm):
+    """RMSNorm over a vector split across the ranks (OLMoE's norms over all of q and of k, under
+    tensor parallelism): the squares of every rank's part are summed."""
+
+    def __init__(self, size: int, full_size: int, eps: float, dtype, device, parallel: Collectives):
+        super().__init__(size, eps, dtype, device)
+        self.full_size, self.parallel = full_size, parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = self.parallel.all_reduce(x32.pow(2).sum(-1, keepdim=True))  # [tokens, 1]
+        x32 = x32 * torch.rsqrt(squares / self.full_size + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class VocabEmbedding(nn.Module):
+    """The embedding, its rows split across the ranks (all of them at one rank): a token whose row
+    another rank holds reads zeros here, and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden: int, parallel: Collectives, dtype, device):
+        super().__init__()
+        self.start, stop = parallel.shard.vocab(vocab_size)
+        # rows past the vocabulary (the last rank's padding) stay zero: no token reads them
+        self.weight = nn.Parameter(torch.zeros(stop - self.start, hidden, dtype=dtype, device=device), False)
+        self.parallel = parallel
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return F.embedding(token_ids, self.weight)  # [tokens, hidden]
+        local = token_ids - self.start
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])  # [tokens]
+        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # [tokens, hidden]
+        return self.parallel.all_reduce(x.masked_fill_(elsewhere[:, None], 0))
+
+
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device, quantization
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        pool: torch.Tensor,
+        unit: int,
+        dtype,
+        device,
+        quantization,
+        parallel: Collectives,
     ):
+        """cfg: the model as this rank holds it (Shard.config)."""
         super().__init__()
-        self.layer, self.cfg = layer, cfg
+        self.layer, self.cfg, self.parallel = layer, cfg, parallel
         kv = cfg.kv_size
         self.qkv_proj = LoRALinear(
             cfg.hidden_size,
@@ -44,14 +91,16 @@ class Attention(nn.Module):
             quantization,
         )
         o_memory = (pool, unit, cfg.first_target("o_proj"))
+        o_bias = cfg.o_bias and parallel.shard.rank == 0  # row-parallel: added once to the sum
         self.o_proj = LoRALinear(
-            cfg.q_size, (cfg.hidden_size,), cfg.o_bias, o_memory, dtype, device, quantization
+            cfg.q_size, (cfg.hidden_size,), o_bias, o_memory, dtype, device, quantization
         )
-        if cfg.qk_norm != "none":  # over each head (Qwen3) or over all of q and of k (OLMoE)
-            full = cfg.qk_norm == "full"
-            q_norm, k_norm = (cfg.q_size, cfg.kv_size) if full else (cfg.head_dim, cfg.head_dim)
-            self.q_norm = RMSNorm(q_norm, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(k_norm, cfg.rms_norm_eps, dtype, device)
+        if cfg.qk_norm == "head":  # over each head (Qwen3)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        elif cfg.qk_norm == "full":  # over all of q and of k (OLMoE)
+            self.q_norm = _full_norm(cfg.q_size, cfg.rms_norm_eps, dtype, device, parallel)
+            self.k_norm = _full_norm(cfg.kv_size, cfg.rms_norm_eps, dtype, device, parallel)
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
@@ -66,12 +115,30 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         o = attend(q, k, v, cache, self.layer, batch.attention, cfg.head_dim**-0.5)  # [tokens, heads, hd]
-        return self.o_proj(o.reshape(tokens, cfg.q_size), batch.lora)
+        return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, cfg.q_size), batch.lora))
+
+
+def _full_norm(size: int, eps: float, dtype, device, parallel: Collectives) -> RMSNorm:
+    """An RMSNorm over all of q (or k), this rank's `size` of it: split across the ranks under
+    tensor parallelism (KV heads are never replicated then: Shard.check)."""
+    if parallel.size == 1:
+        return RMSNorm(size, eps, dtype, device)
+    return SplitRMSNorm(size, size * parallel.size, eps, dtype, device, parallel)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, dtype, device, quantization):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        pool: torch.Tensor,
+        unit: int,
+        dtype,
+        device,
+        quantization,
+        parallel: Collectives,
+    ):
         super().__init__()
+        self.parallel = parallel
         inter = cfg.intermediate_size
         self.gate_up_proj = LoRALinear(
             cfg.hidden_size,
@@ -83,27 +150,36 @@ class MLP(nn.Module):
             quantization,
         )
         down_memory = (pool, unit, cfg.first_target("down_proj"))
+        down_bias = cfg.mlp_bias and parallel.shard.rank == 0  # row-parallel: added once to the sum
         self.down_proj = LoRALinear(
-            inter, (cfg.hidden_size,), cfg.mlp_bias, down_memory, dtype, device, quantization
+            inter, (cfg.hidden_size,), down_bias, down_memory, dtype, device, quantization
         )
 
     def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)  # [tokens, inter] each
-        return self.down_proj(F.silu(gate) * up, batch.lora)
+        return self.parallel.all_reduce(self.down_proj(F.silu(gate) * up, batch.lora))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, dtype, device, quantization
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        pool: torch.Tensor,
+        unit: int,
+        dtype,
+        device,
+        quantization,
+        parallel: Collectives,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, layer, pool, unit, dtype, device, quantization)
+        self.self_attn = Attention(cfg, layer, pool, unit, dtype, device, quantization, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = (
-            SparseMoe(cfg, pool, unit, dtype, device)
+            SparseMoe(cfg, pool, unit, dtype, device, parallel)
             if cfg.moe
-            else MLP(cfg, pool, unit, dtype, device, quantization)
+            else MLP(cfg, pool, unit, dtype, device, quantization, parallel)
         )
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
@@ -116,7 +192,9 @@ class LlamaModel(nn.Module):
     The linear layers' base weights are held in the `quantization` format (base_weight.py);
     embeddings, norms and lm_head stay dense in `dtype`.
     Adapter memory is `lora_units` units of `lora_unit` elements in every layer (zeros; the
-    engine copies adapters in): lora_pool [layers, units*unit]."""
+    engine copies adapters in): lora_pool [layers, units*unit].
+    Under tensor parallelism (`parallel` over more than one rank) this is one rank's part of the
+    model (shard.py): `cfg` is the whole model's, `rank_cfg` the shapes this rank holds."""
 
     def __init__(
         self,
@@ -126,27 +204,32 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quantization: str = "none",
+        parallel: Collectives | None = None,
     ):
         super().__init__()
-        self.cfg = cfg
+        self.parallel = parallel = parallel or Collectives()
+        if parallel.size > 1 and quantization != "none":
+            raise InvalidArgument(
+                f"tensor parallelism over a {quantization} base is not built yet: serve it on one device"
+            )
+        self.cfg, self.rank_cfg = cfg, parallel.shard.config(cfg)
         self.register_buffer(
             "lora_pool",
             torch.zeros(cfg.num_layers, lora_units * lora_unit, dtype=dtype, device=device),
             persistent=False,
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.lora_pool[i], lora_unit, dtype, device, quantization)
+            DecoderLayer(
+                self.rank_cfg, i, self.lora_pool[i], lora_unit, dtype, device, quantization, parallel
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             self.embed_tokens.weight
             if cfg.tie_word_embeddings
-            else nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
-            )
+            else nn.Parameter(torch.zeros_like(self.embed_tokens.weight), requires_grad=False)
         )
         self.register_buffer(
             "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim).to(device), persistent=False
@@ -159,12 +242,15 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, cache, cos, sin)
         x = self.norm(x[batch.logit_rows])  # [rows, hidden]
-        return F.linear(x, self.lm_head).float()  # [rows, vocab]
+        logits = self.parallel.all_gather(F.linear(x, self.lm_head))  # [rows, ranks * vocab rows]
+        return logits[:, : self.cfg.vocab_size].float()  # [rows, vocab]
 
 
-def model_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none") -> int:
+def model_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none", shard: Shard | None = None
+) -> int:
     """Device bytes of the model's weights in `dtype` and `quantization` (adapter memory aside),
-    counted on a build on the meta device: nothing is allocated, so this can be asked before a
-    GPU is known to hold them."""
-    model = LlamaModel(cfg, 0, 1, dtype, "meta", quantization)
+    of `shard`'s part under tensor parallelism, counted on a build on the meta device: nothing
+    is allocated, so this can be asked before a GPU is known to hold them."""
+    model = LlamaModel(cfg, 0, 1, dtype, "meta", quantization, Collectives(shard))
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

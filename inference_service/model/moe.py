@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.lora_linear import LoRALinear, add_lora
 from kernels.lora_batch import PAGE_RANK, LoraBatch
@@ -20,8 +21,21 @@ from shared.model_config import EXPERT_TARGETS, ModelConfig
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, dtype, device):
+    """cfg: the model as this rank holds it. Under tensor parallelism each rank holds its part of
+    every expert's intermediate dimension (and of the shared expert's), the router whole: its
+    output is a partial sum, summed over the ranks once per layer."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        pool: torch.Tensor,
+        unit: int,
+        dtype,
+        device,
+        parallel: Collectives | None = None,
+    ):
         super().__init__()
+        self.parallel = parallel or Collectives()
         self.moe = moe = cfg.moe
         hidden, experts, inter = cfg.hidden_size, moe.num_experts, moe.intermediate_size
         self.router = LoRALinear(
@@ -88,7 +102,7 @@ class SparseMoe(nn.Module):
         out = combine(y, plan, weights)  # [tokens, hidden]
         if self.moe.shared_intermediate_size:
             out = out + self._shared_expert(x, batch.lora)
-        return out
+        return self.parallel.all_reduce(out)
 
     def _shared_expert(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         gate, up = self.shared_gate_up_proj(x, lora).chunk(2, dim=-1)  # [tokens, shared] each

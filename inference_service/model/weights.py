@@ -13,9 +13,10 @@ from torch import nn
 
 from inference_service.model.base_weight import Int8Weight, Nf4Weight
 from inference_service.model.model import LlamaModel
+from inference_service.model.shard import ROW, Shard
 from kernels.nf4_linear import BLOCK, dequantize_nested_absmax, nf4_code
 from shared.errors import InvalidArgument
-from shared.model_config import MODULE_PARENTS, peft_path
+from shared.model_config import MODULE_PARENTS, ModelConfig, peft_path
 
 # Tensors some checkpoints carry that the runtime recomputes or does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,13 +43,19 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._handles
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, part: "Part | None" = None) -> torch.Tensor:
+        """The tensor, or only the part of it this rank loads (read alone from the file)."""
         if name not in self._handles:
             raise InvalidArgument(f"checkpoint lacks tensor {name}")
-        return self._handles[name].get_tensor(name)
+        if part is None:
+            return self._handles[name].get_tensor(name)
+        whole = self._handles[name].get_slice(name)
+        return whole[(slice(None),) * part.dim + (slice(part.start, part.stop),)]
 
 
 def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
+    """Every tensor of the checkpoint into the model; under tensor parallelism, each into this
+    rank's part of it (shard.py), read alone from the files."""
     targets = _targets(model)
     stored = model.cfg.checkpoint_quantization
     loaded: set[str] = set()
@@ -63,17 +70,20 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
             if weight not in targets:
                 file = checkpoint.file_of[name].name
                 raise InvalidArgument(f"{file}: tensor {name} is not part of a {model.cfg.model_type} model")
-            if name.endswith(INT8_DATA):
-                _load_int8(checkpoint, name.removesuffix(INT8_DATA), targets[weight])
+            target = targets[weight]
+            if target.dst is None:
+                pass  # nothing of it on this rank: a row-parallel layer's bias, added by rank 0 alone
+            elif name.endswith(INT8_DATA):
+                _load_int8(checkpoint, name.removesuffix(INT8_DATA), target.dst)
             elif name + NF4_STATE in checkpoint:
-                _load_nf4(checkpoint, name, targets[weight])
-            elif isinstance(targets[weight], Rows) and stored != "none":
+                _load_nf4(checkpoint, name, target.dst)
+            elif isinstance(target.dst, Rows) and stored != "none":
                 raise InvalidArgument(
                     f"tensor {name} is dense in a checkpoint quantized to {stored}: loramux "
                     "holds every linear layer of a pre-quantized model quantized (no modules_to_not_convert)"
                 )
             else:
-                _copy(targets[weight], checkpoint.get(name), name)
+                _copy(target.dst, checkpoint.get(name, target.part), name)
             loaded.add(weight)
     missing = sorted(set(targets) - loaded)
     if missing:
@@ -105,31 +115,79 @@ class Rows:
         self.base.load_rows(self.offset, src)
 
 
-def _targets(model: LlamaModel) -> dict[str, torch.Tensor | Rows]:
+@dataclass(frozen=True)
+class Part:
+    """The part of a checkpoint tensor one rank loads: indices [start, stop) along `dim`."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor loads: all of it (part None) or its `part`; dst None: nothing of
+    it on this rank."""
+
+    dst: torch.Tensor | Rows | None
+    part: Part | None = None
+
+
+def _targets(model: LlamaModel) -> dict[str, Target]:
     """HF tensor name -> the tensor (or rows of a fused base weight) it loads into."""
-    cfg = model.cfg
-    targets = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
+    cfg, shard = model.cfg, model.parallel.shard
+    start, stop = shard.vocab(cfg.vocab_size)
+    vocab = Part(0, start, min(stop, cfg.vocab_size))
+    rows = vocab.stop - vocab.start  # the last rank's padding rows stay zero
+    targets = {
+        "model.embed_tokens.weight": Target(model.embed_tokens.weight[:rows], vocab),
+        "model.norm.weight": Target(model.norm.weight),
+    }
     if not cfg.tie_word_embeddings:
-        targets["lm_head.weight"] = model.lm_head
+        targets["lm_head.weight"] = Target(model.lm_head[:rows], vocab)
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}"
-        targets[f"{prefix}.input_layernorm.weight"] = layer.input_layernorm.weight
-        targets[f"{prefix}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        targets[f"{prefix}.input_layernorm.weight"] = Target(layer.input_layernorm.weight)
+        targets[f"{prefix}.post_attention_layernorm.weight"] = Target(layer.post_attention_layernorm.weight)
         if cfg.qk_norm != "none":
-            targets[f"{prefix}.self_attn.q_norm.weight"] = layer.self_attn.q_norm.weight
-            targets[f"{prefix}.self_attn.k_norm.weight"] = layer.self_attn.k_norm.weight
+            attn, full = layer.self_attn, cfg.qk_norm == "full"  # a full norm is split as q and k are
+            q, k = (Part(0, *shard.out_part(cfg, t)) if full else None for t in ("q_proj", "k_proj"))
+            targets[f"{prefix}.self_attn.q_norm.weight"] = Target(attn.q_norm.weight, q)
+            targets[f"{prefix}.self_attn.k_norm.weight"] = Target(attn.k_norm.weight, k)
         if cfg.moe:
-            targets |= _expert_targets(cfg, prefix, layer.mlp)
+            targets |= _expert_targets(cfg, shard, prefix, layer.mlp)
         for name, shape in cfg.linear_shapes().items():
             if MODULE_PARENTS[name].startswith("mlp") and cfg.moe:
                 continue  # _expert_targets
             packed = getattr(getattr(layer, MODULE_PARENTS[name]), shape.packed)
-            offset, size = packed.slices[shape.slice_index]
-            base = f"{prefix}.{peft_path(name)}"
-            targets[f"{base}.weight"] = Rows(packed.base, offset, (size, packed.in_features))
-            if packed.bias is not None:
-                targets[f"{base}.bias"] = packed.bias[offset : offset + size]
+            targets |= _linear_targets(cfg, shard, name, packed, f"{prefix}.{peft_path(name)}")
     return targets
+
+
+def _linear_targets(
+    cfg: ModelConfig, shard: Shard, target: str, packed: nn.Module, base: str
+) -> dict[str, Target]:
+    """One linear layer's weight (and bias) into its rows of its packed module (a LoRALinear):
+    this rank's rows of a column-parallel layer, its columns of a row-parallel one."""
+    offset, size = packed.slices[cfg.linear_shapes()[target].slice_index]
+    rows = Rows(packed.base, offset, (size, packed.in_features))
+    split = shard.size > 1
+    if target in ROW:
+        weight = Target(rows, Part(1, *shard.in_part(cfg, target)) if split else None)
+        bias = Target(packed.bias)  # None off rank 0: the ranks' sum takes it once
+    else:
+        part = Part(0, *shard.out_part(cfg, target)) if split else None
+        weight = Target(rows, part)
+        bias = Target(None if packed.bias is None else packed.bias[offset : offset + size], part)
+    return {f"{base}.weight": weight} | ({f"{base}.bias": bias} if _has_bias(cfg, target) else {})
+
+
+def _has_bias(cfg: ModelConfig, target: str) -> bool:
+    if target in ("q_proj", "k_proj", "v_proj"):
+        return cfg.qkv_bias
+    return (
+        cfg.o_bias if target == "o_proj" else cfg.mlp_bias and target in ("gate_proj", "up_proj", "down_proj")
+    )
 
 
 # Where each checkpoint names a sparse MLP's parts: its folder, and gate, up and down per expert.
@@ -137,31 +195,32 @@ EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 DEFAULT_EXPERT_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
-def _expert_targets(cfg, prefix: str, moe: nn.Module) -> dict[str, torch.Tensor | Rows]:
+def _expert_targets(cfg: ModelConfig, shard: Shard, prefix: str, moe: nn.Module) -> dict[str, Target]:
     """A sparse MLP's router and every expert's gate, up and down weights, as saved one expert at
-    a time, into the stacked w13 [experts, 2 * inter, hidden] and w2 [experts, hidden, inter]."""
+    a time, into the stacked w13 [experts, 2 * inter, hidden] and w2 [experts, hidden, inter]:
+    this rank's part of each expert's intermediate dimension (and of the shared expert's)."""
     folder, gate, up, down = EXPERT_NAMES.get(cfg.model_type, DEFAULT_EXPERT_NAMES)
-    inter = cfg.moe.intermediate_size
+    inter, hidden = moe.w2.shape[2], cfg.hidden_size  # this rank's part of each expert's
+    split = shard.size > 1
+    rows = Part(0, *shard.even(cfg.moe.intermediate_size)) if split else None
+    columns = Part(1, *shard.even(cfg.moe.intermediate_size)) if split else None
     targets = {
-        f"{prefix}.{folder}.gate.weight": Rows(moe.router.base, 0, (cfg.moe.num_experts, cfg.hidden_size))
+        f"{prefix}.{folder}.gate.weight": Target(Rows(moe.router.base, 0, (cfg.moe.num_experts, hidden)))
     }
     for e in range(cfg.moe.num_experts):
         expert = f"{prefix}.{folder}.experts.{e}"
-        targets[f"{expert}.{gate}.weight"] = moe.w13[e, :inter]
-        targets[f"{expert}.{up}.weight"] = moe.w13[e, inter:]
-        targets[f"{expert}.{down}.weight"] = moe.w2[e]
-    shared, hidden = cfg.moe.shared_intermediate_size, cfg.hidden_size
-    if shared:  # Qwen2-MoE's shared expert
-        targets[f"{prefix}.mlp.shared_expert.gate_proj.weight"] = Rows(
-            moe.shared_gate_up_proj.base, 0, (shared, hidden)
+        targets[f"{expert}.{gate}.weight"] = Target(moe.w13[e, :inter], rows)
+        targets[f"{expert}.{up}.weight"] = Target(moe.w13[e, inter:], rows)
+        targets[f"{expert}.{down}.weight"] = Target(moe.w2[e], columns)
+    if cfg.moe.shared_intermediate_size:  # Qwen2-MoE's shared expert
+        shared = f"{prefix}.mlp.shared_expert"
+        gate_up, down_proj = moe.shared_gate_up_proj, moe.shared_down_proj
+        targets |= _linear_targets(cfg, shard, "shared_gate_proj", gate_up, f"{shared}.gate_proj")
+        targets |= _linear_targets(cfg, shard, "shared_up_proj", gate_up, f"{shared}.up_proj")
+        targets |= _linear_targets(cfg, shard, "shared_down_proj", down_proj, f"{shared}.down_proj")
+        targets[f"{prefix}.mlp.shared_expert_gate.weight"] = Target(
+            Rows(moe.shared_expert_gate.base, 0, (1, hidden))
         )
-        targets[f"{prefix}.mlp.shared_expert.up_proj.weight"] = Rows(
-            moe.shared_gate_up_proj.base, shared, (shared, hidden)
-        )
-        targets[f"{prefix}.mlp.shared_expert.down_proj.weight"] = Rows(
-            moe.shared_down_proj.base, 0, (hidden, shared)
-        )
-        targets[f"{prefix}.mlp.shared_expert_gate.weight"] = Rows(moe.shared_expert_gate.base, 0, (1, hidden))
     return targets
 
 

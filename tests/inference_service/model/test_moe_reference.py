@@ -48,10 +48,8 @@ ROWS = [
 DECODE_STEPS = 32
 
 
-@pytest.fixture(scope="module", params=list(MOE_MODELS))
-def moe_model(request, tmp_path_factory) -> tuple:
-    """(model type, folder, adapter name -> folder)."""
-    model_type = request.param
+def build_moe_model(tmp_path_factory, model_type: str) -> tuple:
+    """(folder, adapter name -> folder) of a tiny MoE model of `model_type` and its adapters."""
     root = tmp_path_factory.mktemp(model_type)
     overrides = dict(hidden_size=128, num_experts_per_tok=2, **MOE_MODELS[model_type])
     folder = build_tiny_model(root / "model", model_type, **overrides)
@@ -61,7 +59,13 @@ def moe_model(request, tmp_path_factory) -> tuple:
     }
     # the benchmarks' adapters, written without PEFT: PEFT must read them as we do
     adapters["bench"] = write_random_adapter(ModelConfig.from_dir(folder), root / "bench", rank=4, seed=9)
-    return model_type, folder, adapters
+    return folder, adapters
+
+
+@pytest.fixture(scope="module", params=list(MOE_MODELS))
+def moe_model(request, tmp_path_factory) -> tuple:
+    """(model type, folder, adapter name -> folder)."""
+    return request.param, *build_moe_model(tmp_path_factory, request.param)
 
 
 class PerAdapterPeft:

@@ -72,16 +72,18 @@ class Peft:
 
 
 def _image(runner: ModelRunner, name: str, path) -> AdapterImage:
+    """The adapter's image as the runner's rank holds it."""
     weights = load_peft_adapter(name, path, runner.model_config, 16, torch.float32)
-    return AdapterImage.of(weights, runner.model_config, torch.float32)
+    return AdapterImage.of(weights, runner.model_config, torch.float32, runner.parallel.shard)
 
 
 def _runner(
-    model_dir, adapter_dirs, quantization="none"
+    model_dir, adapter_dirs, quantization="none", parallel=None
 ) -> tuple[ModelRunner, dict[str, int], AdapterMemory]:
     """Every adapter loaded into pages of adapter memory, placed by AdapterMemory as the engine
     places them: a memory filled by the first ones' pages and freed in between, so later
-    adapters' pages land out of order and apart."""
+    adapters' pages land out of order and apart. parallel: a tensor-parallel rank's Collectives
+    (every rank places the adapters alike)."""
     runner = ModelRunner(
         EngineConfig(
             model=str(model_dir),
@@ -90,9 +92,10 @@ def _runner(
             max_lora_rank=16,
             kv_cache_tokens=512,
             block_size=4,
-        )
+        ),
+        parallel,
     )
-    memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
+    memory = AdapterMemory(runner.lora_units, page_units(runner.rank_config))
     slots = {}
     for name, path in adapter_dirs.items():
         image = _image(runner, name, path)

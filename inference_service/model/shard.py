@@ -1,0 +1,135 @@
+"""Shard: the part of a tensor-parallel model one rank holds (Megatron's layout).
+
+q/k/v, gate/up (an MoE layer's experts' too, and Qwen2-MoE's shared expert's) are column-parallel:
+each rank holds the output rows of its heads or its slice of the intermediate dimension. o and
+down are row-parallel: each rank holds the input columns matching them, and the ranks' partial
+outputs are summed (one all-reduce per layer each). The router and the shared expert's output
+gate are small and replicated. Embeddings and the head are split by vocabulary rows. When the
+ranks outnumber the KV heads, each rank holds the one KV head its query heads read.
+
+A rank's model is the same decoder over `config(cfg)`, a ModelConfig of its own shapes (its
+heads, its part of the intermediate dimension), so attention, the MLP and the KV cache need no
+parallel variant. LoRA follows the base layer (vLLM's default): a column layer's adapter keeps
+A whole and takes B's rows of its outputs, a row layer's takes A's columns of its inputs and
+keeps B whole, its partial sums riding the layer's own all-reduce.
+"""
+
+from dataclasses import dataclass, replace
+
+from shared.errors import InvalidArgument
+from shared.model_config import ModelConfig
+from shared.peft_checkpoint import AdapterWeights, ModuleLora
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "shared_gate_proj", "shared_up_proj")
+ROW = ("o_proj", "down_proj", "shared_down_proj")
+REPLICATED = ("router", "shared_expert_gate")
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise InvalidArgument(f"tensor-parallel rank {self.rank} of {self.size} ranks does not exist")
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Refuse a model these ranks cannot split evenly, naming the numbers."""
+        n, heads, kv = self.size, cfg.num_heads, cfg.num_kv_heads
+        if heads % n:
+            raise InvalidArgument(
+                f"tensor_parallel_size {n} does not divide the model's {heads} attention heads"
+            )
+        if kv % n and n % kv:
+            raise InvalidArgument(
+                f"tensor_parallel_size {n} neither divides the model's {kv} KV heads nor is a multiple "
+                "of them (each rank holds whole KV heads, replicated when the ranks outnumber them)"
+            )
+        for name, size in self._split_sizes(cfg).items():
+            if size % n:
+                raise InvalidArgument(f"tensor_parallel_size {n} does not divide the model's {name} {size}")
+        if cfg.qk_norm == "full" and n > kv:
+            raise InvalidArgument(
+                f"{cfg.model_type} normalizes all of k at once: its {kv} KV heads cannot be replicated "
+                f"over {n} ranks"
+            )
+
+    def config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model as this rank holds it: its heads, its part of every intermediate dimension
+        (the vocabulary stays whole: VocabShard splits it)."""
+        self.check(cfg)
+        n = self.size
+        moe = cfg.moe and replace(
+            cfg.moe,
+            intermediate_size=cfg.moe.intermediate_size // n,
+            shared_intermediate_size=cfg.moe.shared_intermediate_size // n,
+        )
+        return replace(
+            cfg,
+            num_heads=cfg.num_heads // n,
+            num_kv_heads=max(1, cfg.num_kv_heads // n),
+            intermediate_size=cfg.intermediate_size // n,
+            moe=moe,
+        )
+
+    def adapter(self, weights: AdapterWeights, cfg: ModelConfig) -> AdapterWeights:
+        """This rank's part of an adapter on the whole model `cfg`: B's rows of a column layer's
+        outputs, A's columns of a row layer's inputs; the ranks are unchanged, so every rank
+        holds an adapter in the same pages."""
+        if self.size == 1:
+            return weights
+        modules = {key: self._module(lora, cfg, key[1]) for key, lora in weights.modules.items()}
+        return replace(weights, modules=modules)
+
+    def _module(self, lora: ModuleLora, cfg: ModelConfig, target: str) -> ModuleLora:
+        if target in COLUMN:
+            start, stop = self.out_part(cfg, target)
+            return ModuleLora(lora.a, lora.b_t[..., start:stop])
+        if target in ROW:
+            start, stop = self.in_part(cfg, target)
+            return ModuleLora(lora.a[..., start:stop], lora.b_t)
+        return lora
+
+    def out_part(self, cfg: ModelConfig, target: str) -> tuple[int, int]:
+        """The output rows [start, stop) of a column-parallel target (or of a replicated one:
+        all of them) this rank holds, in the full layer's numbering."""
+        full = cfg.linear_shapes()[target].out_features
+        if target in REPLICATED:
+            return 0, full
+        if target in ("k_proj", "v_proj"):
+            return self._kv_rows(cfg)
+        return self.even(full)
+
+    def in_part(self, cfg: ModelConfig, target: str) -> tuple[int, int]:
+        """The input columns [start, stop) of a row-parallel target this rank holds."""
+        return self.even(cfg.linear_shapes()[target].in_features)
+
+    def even(self, size: int) -> tuple[int, int]:
+        """This rank's equal part of `size`."""
+        part = size // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+    def vocab(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's rows [start, stop) of the embedding and the head: ceil(V / N) each, the
+        last rank's running past V (rows no token id reaches, their logits dropped)."""
+        part = -(-vocab_size // self.size)
+        return self.rank * part, (self.rank + 1) * part
+
+    def _kv_rows(self, cfg: ModelConfig) -> tuple[int, int]:
+        """The rows of k (or v) of this rank's KV heads: its equal share, or, when the ranks
+        outnumber the KV heads, the one head its query heads read."""
+        kv, hd = cfg.num_kv_heads, cfg.head_dim
+        if kv >= self.size:
+            return self.even(kv * hd)
+        head = self.rank * kv // self.size
+        return head * hd, (head + 1) * hd
+
+    def _split_sizes(self, cfg: ModelConfig) -> dict[str, int]:
+        """The intermediate dimensions the MLPs split."""
+        if not cfg.moe:
+            return {"intermediate_size": cfg.intermediate_size}
+        sizes = {"expert intermediate size": cfg.moe.intermediate_size}
+        if cfg.moe.shared_intermediate_size:
+            sizes["shared expert intermediate size"] = cfg.moe.shared_intermediate_size
+        return sizes

@@ -1,0 +1,102 @@
+"""Tensor parallelism at the model: N ranks, each a process holding its part of the weights and
+of every adapter, run a mixed batch (adapters on every module and the base model) in one gloo
+group. Rank 0's logits agree with transformers + PEFT's as closely as fp32 allows: splitting a
+matmul's sum over the ranks and adding the partial sums is one more order of the same fp32
+additions, which the fp32 bound (tests/fp32_agreement.py) already spans; greedy tokens equal at
+every step. TP=4 on the tiny models replicates their 2 KV heads."""
+
+import pytest
+import torch
+
+from inference_service.engine.block_manager import BlockManager
+from inference_service.model.forward_batch import SequenceInput
+from inference_service.model.shard import Shard
+from shared.errors import InvalidArgument
+from shared.model_config import ModelConfig
+from tests.fp32_agreement import assert_fp32_agrees
+from tests.inference_service.model.test_moe_reference import ROWS as MOE_ROWS
+from tests.inference_service.model.test_moe_reference import PerAdapterPeft, build_moe_model
+from tests.inference_service.model.test_peft_reference import DECODE_STEPS, ROWS, Peft, _runner
+from tests.tensor_parallel import run_ranks
+
+
+def _rank_logits(parallel, model_dir, adapter_dirs, sequences, adapters, steps) -> list[torch.Tensor]:
+    """On one rank: the prefill of `sequences` (every logit), then a decode step per list of
+    `steps` (each sequence's next token); every step's logits."""
+    runner, slots, _ = _runner(model_dir, adapter_dirs, parallel=parallel)
+    blocks = BlockManager(runner.num_blocks)
+    block_size = runner.config.block_size
+    tables = [blocks.allocate(-(-(len(s) + len(steps)) // block_size)) for s in sequences]
+    slot_of = [-1 if a is None else slots[a] for a in adapters]
+    batch = [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)]
+    logits = [runner.forward(batch, all_logits=True)]
+    lengths = [len(s) for s in sequences]
+    for step, tokens in enumerate(steps):
+        decode = [
+            SequenceInput([tok], n + step, t, slot)
+            for tok, n, t, slot in zip(tokens, lengths, tables, slot_of, strict=True)
+        ]
+        logits.append(runner.forward(decode))
+    return logits
+
+
+def _assert_ranks_agree(size: int, model_dir, adapter_dirs, reference, rows, decode_steps: int, seed: int):
+    """The prefill of one random prompt per row (adapter name or None, length), then
+    `decode_steps` greedy steps on the reference's tokens, on `size` ranks: every step's logits
+    as close to the reference's float64 forward as its fp32 forward is, greedy tokens equal."""
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
+    adapters = [a for a, _ in rows]
+    expected = [reference.logits(sequences, adapters)]  # per step: (fp32, float64) per sequence
+    steps, grown = [], sequences
+    for _ in range(decode_steps):  # the reference's greedy tokens
+        steps.append([int(e[-1].argmax()) for e in expected[-1][0]])
+        grown = [[*s, tok] for s, tok in zip(grown, steps[-1], strict=True)]
+        expected.append(reference.logits(grown, adapters))
+
+    got = run_ranks(size, _rank_logits, model_dir, adapter_dirs, sequences, adapters, steps)
+
+    (fp32, fp64), *decoded = expected
+    assert_fp32_agrees(got[0], torch.cat(fp32), torch.cat(fp64))
+    for step, ((fp32, fp64), logits) in enumerate(zip(decoded, got[1:], strict=True)):
+        last32, last64 = torch.stack([e[-1] for e in fp32]), torch.stack([e[-1] for e in fp64])
+        assert_fp32_agrees(logits, last32, last64)
+        assert logits.argmax(dim=-1).tolist() == last32.argmax(dim=-1).tolist(), f"decode step {step}"
+
+
+@pytest.mark.parametrize(("model_type", "size"), [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_ranks_give_pefts_logits_and_greedy_tokens(model_type, size, tiny_models, tiny_adapters):
+    """Adapters on every module (attention and MLP), of ranks 2 to 16, with rsLoRA and rank
+    patterns; Qwen2's q/k/v biases split with their rows."""
+    model_dir, adapter_dirs = tiny_models[model_type], tiny_adapters[model_type]
+    reference = Peft(model_dir, adapter_dirs)
+    _assert_ranks_agree(size, model_dir, adapter_dirs, reference, ROWS, DECODE_STEPS, seed=5)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, tuple]:
+    """model type -> (folder, adapter name -> folder), as the MoE reference test builds them."""
+    return {
+        model_type: build_moe_model(tmp_path_factory, model_type) for model_type in ("qwen3_moe", "qwen2_moe")
+    }
+
+
+@pytest.mark.parametrize(("model_type", "size"), [("qwen3_moe", 2), ("qwen3_moe", 4), ("qwen2_moe", 2)])
+def test_ranks_split_every_expert_and_give_pefts_logits(model_type, size, moe_models):
+    """Each rank holds its part of every expert's intermediate dimension (and of Qwen2-MoE's
+    shared expert), the router whole; adapters on attention, router and experts."""
+    model_dir, adapter_dirs = moe_models[model_type]
+    reference = PerAdapterPeft(model_dir, adapter_dirs)
+    _assert_ranks_agree(size, model_dir, adapter_dirs, reference, MOE_ROWS, 4, seed=2)
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_naming_both_numbers(tiny_models):
+    cfg = ModelConfig.from_dir(tiny_models["llama"])  # 4 heads, 2 KV heads, intermediate 96
+    with pytest.raises(
+        InvalidArgument, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"
+    ):
+        Shard(0, 3).config(cfg)
+    with pytest.raises(
+        InvalidArgument, match="tensor_parallel_size 8 does not divide the model's 4 attention"
+    ):
+        Shard(0, 8).config(cfg)

@@ -1,0 +1,58 @@
+"""Run a function on N tensor-parallel ranks, each a process of its own in one gloo group on
+loopback, and return what rank 0 returned."""
+
+import multiprocessing
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from inference_service.model.collectives import Collectives
+from inference_service.model.shard import Shard
+
+
+def run_ranks(size: int, fn, *args, timeout_s: float = 300):
+    """fn(parallel, *args) on ranks 0..size-1 (parallel: that rank's Collectives); rank 0's
+    result, or the first rank's error."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=_rank, args=(r, size, port, results, fn, args)) for r in range(size)]
+    for process in ranks:
+        process.start()
+    outcomes = {}
+    try:
+        while len(outcomes) < size:  # a failed rank is reported at once: the others may wait for it forever
+            rank, outcome = results.get(timeout=timeout_s)
+            if isinstance(outcome, _Failed):
+                raise AssertionError(f"rank {rank} failed:\n{outcome.text}")
+            outcomes[rank] = outcome
+    finally:
+        for process in ranks:
+            process.join(timeout=10 if len(outcomes) == size else 0)
+            if process.is_alive():
+                process.kill()
+    return outcomes[0]
+
+
+class _Failed:
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _rank(rank: int, size: int, port: int, results, fn, args) -> None:
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        outcome = fn(Collectives(Shard(rank, size), dist.group.WORLD), *args)
+    except BaseException:
+        outcome = _Failed(traceback.format_exc())
+    results.put((rank, outcome if rank == 0 or isinstance(outcome, _Failed) else None))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
