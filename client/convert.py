@@ -197,6 +197,7 @@ def model_info(message: inference_pb.ModelInfo) -> ModelInfo:
         has_chat_template=message.has_chat_template,
         num_experts=message.num_experts,
         experts_per_token=message.experts_per_token,
+        tensor_parallel_size=message.tensor_parallel_size or 1,
     )
 
 

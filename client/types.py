@@ -94,3 +94,4 @@ class ModelInfo:
     linear_weight_bytes: int = 0  # what those weights take, in their format
     num_experts: int = 0  # a mixture-of-experts model's experts per layer (0: dense)
     experts_per_token: int = 0  # how many of them each token runs
+    tensor_parallel_size: int = 1  # ranks the model is split over

@@ -6,7 +6,6 @@ import socket
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from inference_service.model.collectives import Collectives
 from inference_service.model.shard import Shard
@@ -43,13 +42,13 @@ class _Failed:
 
 def _rank(rank: int, size: int, port: int, results, fn, args) -> None:
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    parallel = Collectives.connect(Shard(rank, size), port, torch.device("cpu"), timeout_s=60)
     try:
-        outcome = fn(Collectives(Shard(rank, size), dist.group.WORLD), *args)
+        outcome = fn(parallel, *args)
     except BaseException:
         outcome = _Failed(traceback.format_exc())
     results.put((rank, outcome if rank == 0 or isinstance(outcome, _Failed) else None))
-    dist.destroy_process_group()
+    parallel.close()
 
 
 def _free_port() -> int:

@@ -59,6 +59,28 @@ class AdapterImage:
                     image[:, layer].zero_()  # a layer the adapter leaves alone
         return cls(ranks, pages)
 
+    def check_fits(
+        self,
+        pages: tuple[tuple[int, ...], ...],
+        targets: tuple[str, ...],
+        num_layers: int,
+        widths: list[int],
+        max_rank: int,
+    ) -> None:
+        """Refuse an image the memory's layout cannot hold (a loader that skipped its checks): a
+        rank past max_lora_rank (the step tables hold that many pages), or pages not shaped as
+        the model's pages (`widths` per target) and the ones acquired for it."""
+        for target, rank, image_pages, units, width in zip(
+            targets, self.ranks, self.pages, pages, widths, strict=True
+        ):
+            if rank > max_rank:
+                raise ValueError(f"{target} has rank {rank}, above max_lora_rank {max_rank}")
+            if image_pages.shape != (len(units), num_layers, width):
+                raise ValueError(
+                    f"{target} pages are {tuple(image_pages.shape)}; the adapter memory holds "
+                    f"{(len(units), num_layers, width)}"
+                )
+
     def pin_memory(self) -> "AdapterImage":
         """A copy in page-locked host memory, so copies to the device from it run async."""
         return replace(self, pages=tuple(image.pin_memory() for image in self.pages))

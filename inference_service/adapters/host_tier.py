@@ -7,11 +7,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
+from inference_service.model.shard import Shard
 from inference_service.torch_threads import single_threaded
 from shared import adapter_blob
 from shared.model_config import ModelConfig
@@ -52,14 +54,22 @@ class Version(NamedTuple):
 class ReadyAdapter:
     name: str
     digest: str  # content identity: a re-registered name with new weights gets a new digest
-    image: AdapterImage
+    image: AdapterImage  # as this process's tensor-parallel rank holds it (all of it at one rank)
+    blob: Path | None = None  # its wire encoding on disk, named by digest: the other ranks read it
 
     @classmethod
-    def of(cls, name: str, weights: AdapterWeights, model: ModelConfig, dtype: torch.dtype) -> "ReadyAdapter":
+    def of(
+        cls,
+        name: str,
+        weights: AdapterWeights,
+        model: ModelConfig,
+        dtype: torch.dtype,
+        shard: Shard | None = None,
+    ) -> "ReadyAdapter":
         """Digest computed here: the digest of the wire encoding of `weights` (in the serving dtype
         `dtype`), as the adapter store would give it; a loader that already knows the blob's
         digest (the store's) builds ReadyAdapter directly."""
-        return cls(name, adapter_blob.digest_of(weights), AdapterImage.of(weights, model, dtype))
+        return cls(name, adapter_blob.digest_of(weights), AdapterImage.of(weights, model, dtype, shard))
 
     @property
     def version(self) -> Version:

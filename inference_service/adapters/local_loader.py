@@ -1,10 +1,14 @@
 """LocalAdapterLoader: adapters from PEFT folders on this machine."""
 
+import os
 from pathlib import Path
 
 import torch
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import ReadyAdapter
+from inference_service.model.shard import Shard
+from shared import adapter_blob
 from shared.errors import FailedPrecondition, NotFound
 from shared.model_config import ModelConfig
 from shared.peft_checkpoint import load_peft_adapter
@@ -13,10 +17,21 @@ from shared.peft_checkpoint import load_peft_adapter
 class LocalAdapterLoader:
     """Each name maps to the folder and content it was last registered with. Every content ever
     registered stays loadable from its folder by digest (a path each), for the requests still
-    bound to it after its name moved on; a folder whose files changed since is refused."""
+    bound to it after its name moved on; a folder whose files changed since is refused.
 
-    def __init__(self, model: ModelConfig, max_rank: int, dtype: torch.dtype):
+    Under tensor parallelism (`shard` of more than one rank) an adapter's image is rank 0's part
+    of it, and its blob is written to `spool` by digest, for the other ranks to take theirs."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_rank: int,
+        dtype: torch.dtype,
+        shard: Shard | None = None,
+        spool: Path | None = None,
+    ):
         self._model, self._max_rank, self._dtype = model, max_rank, dtype
+        self._shard, self._spool = shard, spool
         self._names: dict[str, str] = {}  # name -> digest new requests get
         self._folders: dict[str, Path] = {}  # digest -> folder it was registered from
 
@@ -51,4 +66,14 @@ class LocalAdapterLoader:
         """Validate and optimize the PEFT checkpoint in `folder` as adapter `name`, without
         registering it."""
         weights = load_peft_adapter(name, folder, self._model, self._max_rank, self._dtype)
-        return ReadyAdapter.of(name, weights, self._model, self._dtype)
+        if self._spool is None:
+            return ReadyAdapter.of(name, weights, self._model, self._dtype, self._shard)
+        blob = adapter_blob.encode(weights)
+        digest = adapter_blob.digest(blob)
+        path = self._spool / adapter_blob.file_name(digest)
+        if not path.is_file():
+            partial = path.with_name(path.name + ".partial")
+            partial.write_bytes(blob)
+            os.replace(partial, path)
+        image = AdapterImage.of(weights, self._model, self._dtype, self._shard)
+        return ReadyAdapter(name, digest, image, path)

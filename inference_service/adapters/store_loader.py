@@ -18,6 +18,7 @@ import torch
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.blob_fetch import BlobFetch, FetchLimits, ask_digest
 from inference_service.adapters.host_tier import ReadyAdapter
+from inference_service.model.shard import Shard
 from shared import adapter_blob
 from shared.errors import quoted
 from shared.model_config import ModelConfig
@@ -38,8 +39,12 @@ class StoreAdapterLoader:
         max_rank: int,
         dtype: torch.dtype,
         limits: FetchLimits | None = None,
+        shard: Shard | None = None,
     ):
+        """shard: under tensor parallelism, rank 0's: images hold its part of each adapter (the
+        other ranks read the cached blob for theirs)."""
         self._stub = pb_grpc.AdapterStoreStub(channel)
+        self._shard = shard
         self._cache = cache_dir
         self._cache.mkdir(parents=True, exist_ok=True)
         self._model, self._max_rank, self._dtype = model, max_rank, dtype
@@ -87,7 +92,9 @@ class StoreAdapterLoader:
         where = f"adapter {name!r}"
         weights = adapter_blob.decode(path.read_bytes(), where, self._model, self._max_rank)
         # The store's digest names the registered content, whatever dtype this worker serves in.
-        return ReadyAdapter(name, digest, AdapterImage.of(weights, self._model, self._dtype))
+        return ReadyAdapter(
+            name, digest, AdapterImage.of(weights, self._model, self._dtype, self._shard), path
+        )
 
     def _digest_for(self, name: str, digest: str | None) -> str:
         """The digest asked for (which the catalog gave once) or the catalog's, validated;

@@ -31,6 +31,9 @@ class EngineConfig:
     prefix_caching: bool = True  # full KV blocks are reused by later requests with the same prefix
     step_timeout_s: float = 60.0  # a step running longer is a hung engine: every request fails
     cuda_graphs: bool = True  # on a GPU, decode steps replay CUDA graphs; False runs every step eagerly
+    # Ranks the model is split over (model/shard.py): this process is rank 0, it starts the others
+    # (one process each; on CUDA rank r runs on cuda:r).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -41,7 +44,12 @@ class EngineConfig:
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidArgument(f"device {self.device!r} is neither 'cpu' nor 'cuda[:N]'")
+        if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
+            raise InvalidArgument(
+                f"device {self.device!r}: tensor-parallel ranks run on cuda:0, cuda:1, ...; say 'cuda'"
+            )
         positive = (
+            "tensor_parallel_size",
             "max_lora_rank",
             "max_num_seqs",
             "max_num_batched_tokens",

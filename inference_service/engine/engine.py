@@ -17,6 +17,7 @@ dead engine.
 
 import asyncio
 import logging
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -53,11 +54,19 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig, loader: AdapterLoader | None = None):
         self.config = config
-        self.runner = in_passing_thread(ModelRunner, config)  # its parallel ops' team ends there
+        self.runner = in_passing_thread(ModelRunner.start, config)  # its parallel ops' team ends there
         model = self.runner.model_config
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
-        self.loader = loader or LocalAdapterLoader(model, config.max_lora_rank, config.torch_dtype)
+        # Under tensor parallelism, local adapters' blobs go to a folder the other ranks read.
+        self._spool = _spool(config) if loader is None else None
+        self.loader = loader or LocalAdapterLoader(
+            model,
+            config.max_lora_rank,
+            config.torch_dtype,
+            self.runner.parallel.shard,
+            Path(self._spool.name) if self._spool else None,
+        )
         self._wakeup = threading.Event()  # set when a step has something new: a submit, a load
         pinned = self.runner.device.type == "cuda"
         self.host = HostTier(config.max_cpu_loras, self.loader, pinned, self._wakeup.set)
@@ -74,6 +83,7 @@ class Engine:
         self._publish()
         self._thread = EngineThread(self.step, lambda: self.has_work, self._wakeup, config.step_timeout_s)
         self._thread.on_fatal(self.streams.close_all)
+        self._thread.on_fatal(lambda _: self.runner.abort())
 
     # --- adapters -------------------------------------------------------------------------
 
@@ -198,6 +208,7 @@ class Engine:
     def stop(self) -> None:
         self._thread.stop()
         self.host.close()
+        self.runner.close()
 
     def on_fatal(self, callback: Callable[[Unavailable], None]) -> None:
         """`callback(error)` runs once if the engine thread dies (at once if it already has),
@@ -266,7 +277,7 @@ class Engine:
         for seq in out.non_finite:
             # before anyone else gets its blocks: attention multiplies masked positions by 0, and
             # 0 x NaN is NaN
-            self.runner.cache.zero_blocks(self.scheduler.drop_computed(seq))
+            self.runner.zero_blocks(self.scheduler.drop_computed(seq))
             self._finish(seq, "error", _overflowed(seq, self.config.dtype))
         tokens = out.result.token_ids
         self.scheduler.postprocess(out.computed, list(zip(out.sampled, tokens, strict=True)))
@@ -280,7 +291,7 @@ class Engine:
         only the requests for that adapter; it leaves the memory and the host tier (a later
         request loads it anew)."""
         try:
-            self.runner.load_slot(slot, ready.image, self.memory.pages(slot))
+            self.runner.load_slot(slot, ready.image, self.memory.pages(slot), ready)
         except Exception as e:
             log.exception("adapter %r cannot be loaded into adapter memory", ready.name)
             reason = f"adapter {ready.name!r} cannot be loaded into device memory: {brief(e)}"
@@ -314,6 +325,13 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self.metrics.count_finished(seq)
         self.streams.close(seq, error)
+
+
+def _spool(config: EngineConfig) -> tempfile.TemporaryDirectory | None:
+    """A folder for local adapters' blobs under tensor parallelism (it goes with the engine)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    return tempfile.TemporaryDirectory(prefix="loramux-adapter-blobs-")
 
 
 def _sequence(request: Request, device: torch.device, digest: str | None) -> Sequence:

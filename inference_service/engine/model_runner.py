@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
+from inference_service.adapters.host_tier import ReadyAdapter
 from inference_service.engine.adapter_memory import (
     adapter_memory_units,
     check_device_room,
@@ -15,10 +16,11 @@ from inference_service.engine.adapter_memory import (
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_blocks, cuda_blocks, sized_by
+from inference_service.engine.rank_group import RankGroup
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
-from inference_service.model.base_weight import weight_bytes
+from inference_service.model.base_weight import serving_format, weight_bytes
 from inference_service.model.collectives import Collectives
 from inference_service.model.decode_buffers import DecodeBuffers
 from inference_service.model.forward_batch import ForwardBatch, SequenceInput
@@ -27,7 +29,6 @@ from inference_service.model.model import LlamaModel, model_bytes
 from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
-from shared.errors import FailedPrecondition, InvalidArgument
 from shared.model_config import ModelConfig
 from shared.nonfinite import finite_rows
 
@@ -42,18 +43,22 @@ class StepOutput:
 
 class ModelRunner:
     """Under tensor parallelism, one per rank, each running every step's forward together:
-    `parallel` is this rank's part (its Shard) and the group the ranks exchange over."""
+    `parallel` is this rank's part (its Shard) and the group the ranks exchange over; rank 0's
+    runner tells the others (`followers`) what to do before each of its own model calls."""
 
-    def __init__(self, config: EngineConfig, parallel: Collectives | None = None):
+    def __init__(
+        self, config: EngineConfig, parallel: Collectives | None = None, followers: RankGroup | None = None
+    ):
         self.config = config
         self.parallel = parallel or Collectives()
+        self.followers = followers
         self.model_config = ModelConfig.from_dir(config.model)
         self.rank_config = self.parallel.shard.config(self.model_config)  # the shapes this rank holds
         self.device = torch.device(config.device)
         self.lora_unit = unit_elements(self.rank_config)
         self.lora_units = adapter_memory_units(config, self.rank_config)
         self._page_widths = [n * self.lora_unit for n in page_units(self.rank_config)]  # [targets]
-        self.quantization = self._quantization()
+        self.quantization = serving_format(self.model_config, config.quantization, config.model)
         if self.device.type == "cuda":
             self._check_device_room()
         self.model = LlamaModel(
@@ -78,21 +83,37 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs and not eager:
             self.graphs = DecodeGraphs(self.model, self.cache, self.decode_buffers(), capture=True)
 
-    def _quantization(self) -> str:
-        """The checkpoint's own format when it is pre-quantized, else what the config asks for."""
-        stored, asked = self.model_config.checkpoint_quantization, self.config.quantization
-        if self.model_config.moe and (stored, asked) != ("none", "none"):
-            raise FailedPrecondition(
-                f"model folder {self.config.model}: quantized bases are supported for dense models only, "
-                f"not {self.model_config.model_type}"
-            )
-        if stored == "none":
-            return asked
-        if asked not in ("none", stored):
-            raise InvalidArgument(
-                f"model folder {self.config.model} holds {stored} weights, not {asked} ones (--quantization)"
-            )
-        return stored
+    @classmethod
+    def start(cls, config: EngineConfig) -> "ModelRunner":
+        """Rank 0's runner; under tensor parallelism, once the other ranks have started and
+        built their parts too (or with the first one's error)."""
+        if config.tensor_parallel_size == 1:
+            return cls(config)
+        followers = RankGroup(config)
+        try:
+            runner = cls(config, followers.parallel, followers)
+        except Exception as e:
+            raise followers.start_failure(e) from e
+        followers.wait_ready()
+        return runner
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: its weights, its adapter memory, its KV cache."""
+        model = self.model
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        pool = model.lora_pool.numel() * model.lora_pool.element_size()
+        kv = 2 * self.cache.k.numel() * self.cache.k.element_size()
+        return {"weight_bytes": weights - pool, "adapter_memory_bytes": pool, "kv_cache_bytes": kv}
+
+    def close(self) -> None:
+        """Stop the other ranks, if any."""
+        if self.followers is not None:
+            self.followers.stop()
+
+    def abort(self) -> None:
+        """Kill the other ranks, if any: the engine died, and one may be stuck in a collective."""
+        if self.followers is not None:
+            self.followers.kill()
 
     def _check_device_room(self) -> None:
         """Before anything is allocated: the weights, adapter memory and one request's KV cache
@@ -201,6 +222,8 @@ class ModelRunner:
         """Logits [sequences, vocab] for each sequence's last new token ([tokens, vocab] with
         all_logits), in fp32. kernels: the Triton kernels' path (default: on CUDA; on the CPU it
         runs in Triton's interpreter, for tests)."""
+        if self.followers is not None:
+            self.followers.forward(seqs, all_logits, kernels)
         batch = ForwardBatch.build(
             seqs,
             self.config.block_size,
@@ -213,16 +236,29 @@ class ModelRunner:
         return self.model(batch, self.cache)
 
     @torch.inference_mode()
-    def load_slot(self, slot: int, image: AdapterImage, pages: tuple[tuple[int, ...], ...]) -> None:
+    def load_slot(
+        self,
+        slot: int,
+        image: AdapterImage,
+        pages: tuple[tuple[int, ...], ...],
+        source: ReadyAdapter | None = None,
+    ) -> None:
         """Copy an adapter's image into its pages of adapter memory (`pages`: per target, the
         first unit of each page) and serve it as `slot`: one copy per page, of every layer at
         once, in one multi-tensor launch, async from the host tier's page-locked memory. The
-        image holds the zeros of rank rows past each module's rank, so nothing is zeroed."""
+        image holds the zeros of rank rows past each module's rank, so nothing is zeroed.
+        Under tensor parallelism `source` names the blob the other ranks take their parts from."""
         pool, unit = self.model.lora_pool, self.lora_unit  # pool: [layers, units*unit]
         widths = self._page_widths
-        _check_fits(
-            image, pages, self.rank_config.lora_targets, pool.shape[0], widths, self.config.max_lora_rank
+        image.check_fits(
+            pages, self.rank_config.lora_targets, pool.shape[0], widths, self.config.max_lora_rank
         )
+        if self.followers is not None:  # checked first: a rank that fails a load ends the engine
+            if source is None or source.blob is None:
+                raise ValueError(
+                    "the other tensor-parallel ranks need the adapter's blob; its loader gave none"
+                )
+            self.followers.load(slot, source.name, source.digest, source.blob, pages)
         targets = [pool[:, u * unit : u * unit + widths[t]] for t, units in enumerate(pages) for u in units]
         sources = [page for target_pages in image.pages for page in target_pages]  # [layers, width] each
         torch._foreach_copy_(targets, sources, non_blocking=True)
@@ -230,30 +266,15 @@ class ModelRunner:
 
     def clear_slot(self, slot: int) -> None:
         """`slot` serves no adapter any more (its pages go back to the adapter memory)."""
+        if self.followers is not None:
+            self.followers.clear(slot)
         self._adapters.pop(slot, None)
 
-
-def _check_fits(
-    image: AdapterImage,
-    pages: tuple[tuple[int, ...], ...],
-    targets: tuple[str, ...],
-    num_layers: int,
-    widths: list[int],
-    max_rank: int,
-) -> None:
-    """Refuse an image the memory's layout cannot hold (a loader that skipped its checks): a
-    rank past max_lora_rank (the step tables hold that many pages), or pages not shaped as
-    this model's pages and the ones acquired for it."""
-    for target, rank, image_pages, units, width in zip(
-        targets, image.ranks, image.pages, pages, widths, strict=True
-    ):
-        if rank > max_rank:
-            raise ValueError(f"{target} has rank {rank}, above max_lora_rank {max_rank}")
-        if image_pages.shape != (len(units), num_layers, width):
-            raise ValueError(
-                f"{target} pages are {tuple(image_pages.shape)}; the adapter memory holds "
-                f"{(len(units), num_layers, width)}"
-            )
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Wipe KV blocks a failed sequence may have filled with NaN or Inf, on every rank."""
+        if self.followers is not None:
+            self.followers.zero_blocks(blocks)
+        self.cache.zero_blocks(blocks)
 
 
 def _input(chunk: ScheduledChunk) -> SequenceInput:

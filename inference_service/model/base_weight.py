@@ -13,7 +13,8 @@ from torch import nn
 
 from kernels.int8_linear import int8_linear, int8_linear_triton, quantize_int8_rows
 from kernels.nf4_linear import BLOCK, nf4_linear, nf4_linear_triton, quantize_nf4
-from shared.errors import InvalidArgument
+from shared.errors import FailedPrecondition, InvalidArgument
+from shared.model_config import ModelConfig
 
 QUANTIZATIONS = ("none", "int8", "nf4")
 
@@ -105,3 +106,21 @@ def weight_bytes(module: nn.Module) -> int:
         if isinstance(m, formats)
         for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
     )
+
+
+def serving_format(model: ModelConfig, asked: str, model_dir: str) -> str:
+    """The linear layers' base format: the checkpoint's own when it is pre-quantized, else
+    `asked` (--quantization)."""
+    stored = model.checkpoint_quantization
+    if model.moe and (stored, asked) != ("none", "none"):
+        raise FailedPrecondition(
+            f"model folder {model_dir}: quantized bases are supported for dense models only, "
+            f"not {model.model_type}"
+        )
+    if stored == "none":
+        return asked
+    if asked not in ("none", stored):
+        raise InvalidArgument(
+            f"model folder {model_dir} holds {stored} weights, not {asked} ones (--quantization)"
+        )
+    return stored

@@ -155,6 +155,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
         num_experts=model.moe.num_experts if model.moe else 0,
         experts_per_token=model.moe.top_k if model.moe else 0,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
 
 

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eager", action="store_true", help="on a GPU, run decode steps eagerly instead of from CUDA graphs"
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (processes this worker starts; on CUDA one GPU each)",
+    )
     p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
     p.add_argument(
@@ -162,6 +168,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         prefix_caching=not args.no_prefix_caching,
         step_timeout_s=args.step_timeout,
         cuda_graphs=not args.eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return WorkerConfig(
         engine=engine,

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from inference_service.adapters.store_channel import open_store_channel
 from inference_service.adapters.store_loader import StoreAdapterLoader
 from inference_service.engine import Engine
+from inference_service.model.shard import Shard
 from inference_service.server.admission import Admission
 from inference_service.server.prometheus_metrics import WorkerMetrics
 from inference_service.server.servicer import SERVICE, InferenceServicer
@@ -114,7 +115,8 @@ def _build_engine(config: WorkerConfig, store: grpc.Channel | None) -> tuple[Eng
     e = config.engine
     model = ModelConfig.from_dir(e.model)
     limits = config.fetch.for_model(model, e.max_lora_rank)
-    loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype, limits)
+    shard = Shard(0, e.tensor_parallel_size)  # this process is rank 0
+    loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype, limits, shard)
     engine = Engine(e, loader)
     engine.start()
     watch = StoreWatch(store, engine, loader)

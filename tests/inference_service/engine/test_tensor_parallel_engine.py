@@ -1,0 +1,153 @@
+"""An engine over several tensor-parallel ranks (EngineConfig.tensor_parallel_size): rank 0 is
+this process, the others are processes it starts. Its greedy tokens equal transformers + PEFT's
+for every request alone, through preemption, the prefix cache, adapters evicted from adapter
+memory and host memory and loaded again, and an adapter re-registered mid-stream. A rank that
+dies or hangs ends every stream with Unavailable and leaves no process behind; one that dies as
+it starts fails the engine's start, naming it."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from inference_service.engine import Engine, EngineConfig, Request
+from inference_service.sampling import SamplingParams
+from shared.errors import Unavailable
+from tests.inference_service.engine.test_adapter_versions import PROMPTS, _alone, _run_until_running
+from tests.inference_service.engine.test_engine import _engine, _run_staggered, peft_reference  # noqa: F401
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_give_pefts_tokens_through_preemption_eviction_and_reloads(
+    size,
+    tiny_models,
+    tiny_adapters,
+    peft_reference,  # noqa: F811 - test_engine's fixture
+):
+    """test_engine's staggered workload in a 48-position KV cache (requests outgrow it and are
+    computed again), adapter memory for a rank-16 adapter on every module, host memory for 2: every rank
+    loads, evicts and reloads its part of each adapter as rank 0 says."""
+    prompts, expected = peft_reference
+    engine = _engine(
+        tiny_models,
+        tiny_adapters,
+        tensor_parallel_size=size,
+        kv_cache_tokens=48,
+        max_model_len=32,
+        max_num_batched_tokens=6,
+        max_loras=1,
+        max_cpu_loras=2,
+    )
+    try:
+        got = _run_staggered(engine, prompts)
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    for i, tokens in enumerate(expected):
+        assert got[str(i)] == tokens, f"request {i}"
+    assert stats.scheduler.preemptions > 0 and stats.slots.evictions > 0 and stats.host_tier.evictions > 0
+
+
+def test_a_preempted_request_keeps_its_adapters_old_content_on_every_rank(tiny_models, tiny_adapters):
+    """Re-registered while its requests run, with no host memory to keep the old content: the
+    preempted request is computed again from the old content's blob on every rank."""
+    model, folders = tiny_models["llama"], tiny_adapters["llama"]
+    config = EngineConfig(
+        model=str(model),
+        tensor_parallel_size=2,
+        kv_cache_tokens=48,
+        max_model_len=32,
+        max_cpu_loras=0,
+        block_size=4,
+    )
+    engine = Engine(config)
+    try:
+        engine.add_adapter("x", folders["all8"])
+        deltas = [[] for _ in PROMPTS]
+        for prompt, sink in zip(PROMPTS, deltas, strict=True):
+            engine.submit(Request(prompt, "x", GREEDY), sink.append)
+        _run_until_running(engine, 2)
+        engine.add_adapter("x", folders["pattern"])
+        while engine.has_work:
+            engine.step()
+        preemptions = engine.stats().scheduler.preemptions
+    finally:
+        engine.stop()
+    assert preemptions > 0
+    assert [[t for d in ds for t in d.token_ids] for ds in deltas] == _alone(model, folders["all8"], PROMPTS)
+
+
+def _streaming_engine(tiny_models, **config) -> tuple[Engine, list, threading.Event]:
+    """A 2-rank engine running in its thread, one long request streaming into a list."""
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=2, **config))
+    deltas, ended = [], threading.Event()
+
+    def sink(delta):
+        deltas.append(delta)
+        if delta.finish_reason is not None:
+            ended.set()
+
+    engine.start()
+    engine.submit(Request([5, 6, 7], None, SamplingParams(max_tokens=200, ignore_eos=True)), sink)
+    deadline = time.monotonic() + 30
+    while not deltas and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine, deltas, ended
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_rank_that_dies_or_hangs_ends_every_stream_with_unavailable_and_leaves_no_process(
+    tiny_models, fault
+):
+    engine, deltas, ended = _streaming_engine(tiny_models, step_timeout_s=3.0)
+    (pid,) = engine.runner.followers.pids
+    fatal = threading.Event()
+    engine.on_fatal(lambda _: fatal.set())
+    os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    try:
+        assert ended.wait(timeout=10), "the stream did not end within 10 s"
+        assert fatal.wait(timeout=1)
+    finally:
+        engine.stop()
+    assert deltas[-1].finish_reason == "error" and isinstance(deltas[-1].error, Unavailable)
+    assert not _alive(pid)
+
+
+def test_a_rank_that_dies_as_it_starts_fails_the_engines_start_naming_it(tiny_models):
+    """As the kernel's OOM killer would end it while it loads its part of the model."""
+    killed = threading.Thread(target=_kill_first_rank, args=(os.getpid(),), daemon=True)
+    killed.start()
+    with pytest.raises(Unavailable, match=r"tensor-parallel rank 1 failed to start: .*SIGKILL"):
+        Engine(EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=2))
+    killed.join()
+
+
+def _kill_first_rank(parent: int) -> None:
+    """SIGKILL the first rank process `parent` starts, as soon as it runs."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for pid in _children(parent):
+            if b"rank_follower" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                return
+        time.sleep(0.005)
+
+
+def _children(parent: int) -> list[int]:
+    pids = []
+    for task in Path(f"/proc/{parent}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
