@@ -16,7 +16,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN python -m venv /opt/venv
 
 # torch first and from the CPU index: PyPI's default wheel for Linux drags in the CUDA libraries.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# A GPU image takes a CUDA index instead (docker-compose.gpu.yml:
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 
 # The runtime and default-model dependencies, read from pyproject.toml so that a source change
 # does not invalidate this layer. Test dependencies stay out of the image.

@@ -5,6 +5,8 @@ PIP := .venv/bin/pip
 CACHE ?= $(CURDIR)/.cache
 # `make run QUANTIZATION=nf4` (or int8): the demo's worker quantizes its base weights as they load.
 QUANTIZATION ?= none
+# `make run TP=3`: the demo's worker splits the model over 3 ranks (processes; SmolLM2 has 9 heads, 3 KV heads).
+TP ?= 1
 
 PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 
@@ -12,7 +14,8 @@ PROTOS := $(wildcard protos/loramux/*/v1/*.proto)
 
 # The demo prints an example that runs the official openai client; the gateway itself needs none of it.
 run: .venv/.runtime .venv/.demo shared/pb/.built
-	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo.demo --quantization $(QUANTIZATION)
+	LORAMUX_CACHE=$(CACHE) $(PY) -m inference_service.demo.demo --quantization $(QUANTIZATION) \
+		--tensor-parallel-size $(TP)
 
 test: .venv/.test shared/pb/.built nginx
 	$(PY) -m ruff check .

@@ -1,12 +1,14 @@
 """docker-compose.yml: valid for docker-compose, and wired the way `docker compose up` relies on."""
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from inference_service.server.main import build_parser as worker_parser
 from openai_gateway.__main__ import parse_args as gateway_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,3 +118,17 @@ def test_start_order(services):
 def test_a_service_that_exits_is_restarted(services, service):
     """The worker exits after an engine failure; the gateway on any crash."""
     assert services[service]["restart"] in ("always", "unless-stopped", "on-failure")
+
+
+def test_the_gpu_override_reserves_as_many_gpus_as_the_worker_has_ranks():
+    """docker-compose.gpu.yml, its ${VAR:-default}s at their defaults: the worker splits the model
+    over as many ranks on CUDA as it reserves GPUs, and NCCL gets a /dev/shm of its size."""
+    yaml = pytest.importorskip("yaml")
+    text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", (REPO / "docker-compose.gpu.yml").read_text())
+    worker = yaml.safe_load(text)["services"]["inference-worker"]
+    command = [str(part) for part in worker["command"]]
+    args, unknown = worker_parser().parse_known_args(command[3:])
+    assert command[:3] == ["python", "-m", "inference_service"] and not unknown
+    (gpus,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert args.device == "cuda" and args.tensor_parallel_size == gpus["count"] and gpus["driver"] == "nvidia"
+    assert worker["shm_size"] == "1gb"

@@ -332,3 +332,24 @@ def test_gateway_probes_and_service_are_where_it_listens():
     assert probes["livenessProbe"]["path"] != "/health"
     assert one("Deployment", "loramux-gateway")["spec"]["replicas"] >= 2
     assert service_backend("loramux-gateway:8000")[1] == c
+
+
+def test_the_gpu_overlay_gives_each_worker_as_many_gpus_as_tensor_parallel_ranks():
+    """deploy/k8s-gpu: the worker asks for N GPUs and splits the model over N ranks on CUDA, with a
+    /dev/shm large enough for NCCL; everything else is deploy/k8s as it is."""
+    kubectl = shutil.which("kubectl") or pytest.skip("kubectl is not installed")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(REPO / "deploy" / "k8s-gpu")], capture_output=True, text=True
+    )
+    assert built.returncode == 0, built.stderr
+    resources = [r for r in yaml.safe_load_all(built.stdout) if r]
+    for r in resources:
+        assert_valid(r, "kustomize build deploy/k8s-gpu")
+    workers = next(r for r in resources if r["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    worker = next(c for c in workers["containers"] if c["name"] == "worker")
+    args = parse("inference_service", worker["command"][3:], worker)
+    assert (
+        args.device == "cuda" and args.tensor_parallel_size == worker["resources"]["limits"]["nvidia.com/gpu"]
+    )
+    shm = next(m for m in worker["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    assert next(v for v in workers["volumes"] if v["name"] == shm["name"])["emptyDir"]["medium"] == "Memory"

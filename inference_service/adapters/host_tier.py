@@ -2,6 +2,7 @@
 background; each held as a version, the content of one name, since a request keeps the content it
 was submitted with."""
 
+import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -16,8 +17,11 @@ from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.model.shard import Shard
 from inference_service.torch_threads import single_threaded
 from shared import adapter_blob
+from shared.errors import FailedPrecondition, LoramuxError, Unavailable, brief
 from shared.model_config import ModelConfig
 from shared.peft_checkpoint import AdapterWeights
+
+log = logging.getLogger(__name__)
 
 LOAD_THREADS = 4  # loads in flight at once: one stalled fetch must not block the rest
 # Request counts per adapter are halved every AGING x capacity requests, so eviction follows the
@@ -198,7 +202,7 @@ class HostTier:
             self._latest[ready.name] = ready.digest
         self._evict()
 
-    def collect(self) -> tuple[list[float], list[tuple[str, str | None, Exception]]]:
+    def collect(self) -> tuple[list[float], list[tuple[str, str | None, LoramuxError]]]:
         """Install finished loads. Returns the seconds each successful load took and
         (name, digest or None for the current content, error) of the ones that failed."""
         seconds, failed = [], []
@@ -207,7 +211,7 @@ class HostTier:
                 continue
             del self._loading[name, digest]
             if future.exception() is not None:
-                failed.append((name, digest, future.exception()))
+                failed.append((name, digest, _load_error(future.exception(), name)))
             else:
                 ready, took = future.result()
                 self.put(ready)
@@ -337,3 +341,15 @@ class HostTier:
         for version in evictable[: max(0, len(unpinned) - self.capacity)]:
             del self._ready[version]
             self.evictions += 1
+
+
+def _load_error(error: Exception, name: str) -> LoramuxError:
+    """A failed load as the status its requests end with, naming the adapter."""
+    if isinstance(error, LoramuxError):
+        return error
+    log.error("loading adapter %r failed", name, exc_info=error)
+    if isinstance(error, OSError):  # this worker's disk (a full cache), not the adapter
+        return Unavailable(
+            f"adapter {name!r}: this worker cannot read or write its adapter cache ({brief(error)})"
+        )
+    return FailedPrecondition(f"adapter {name!r} could not be loaded: {brief(error)}")

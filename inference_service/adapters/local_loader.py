@@ -1,6 +1,7 @@
 """LocalAdapterLoader: adapters from PEFT folders on this machine."""
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,18 +21,13 @@ class LocalAdapterLoader:
     bound to it after its name moved on; a folder whose files changed since is refused.
 
     Under tensor parallelism (`shard` of more than one rank) an adapter's image is rank 0's part
-    of it, and its blob is written to `spool` by digest, for the other ranks to take theirs."""
+    of it, and its blob is written by digest to a folder of the loader's (it goes with the
+    loader), for the other ranks to take theirs."""
 
-    def __init__(
-        self,
-        model: ModelConfig,
-        max_rank: int,
-        dtype: torch.dtype,
-        shard: Shard | None = None,
-        spool: Path | None = None,
-    ):
-        self._model, self._max_rank, self._dtype = model, max_rank, dtype
-        self._shard, self._spool = shard, spool
+    def __init__(self, model: ModelConfig, max_rank: int, dtype: torch.dtype, shard: Shard | None = None):
+        self._model, self._max_rank, self._dtype, self._shard = model, max_rank, dtype, shard
+        spooled = shard is not None and shard.size > 1
+        self._spool = tempfile.TemporaryDirectory(prefix="loramux-adapter-blobs-") if spooled else None
         self._names: dict[str, str] = {}  # name -> digest new requests get
         self._folders: dict[str, Path] = {}  # digest -> folder it was registered from
 
@@ -70,7 +66,7 @@ class LocalAdapterLoader:
             return ReadyAdapter.of(name, weights, self._model, self._dtype, self._shard)
         blob = adapter_blob.encode(weights)
         digest = adapter_blob.digest(blob)
-        path = self._spool / adapter_blob.file_name(digest)
+        path = Path(self._spool.name) / adapter_blob.file_name(digest)
         if not path.is_file():
             partial = path.with_name(path.name + ".partial")
             partial.write_bytes(blob)

@@ -36,6 +36,11 @@ def main() -> None:
     parser.add_argument("--worker-port", type=int, default=50051)
     parser.add_argument("--gateway-port", type=int, default=8000, help="a free one if that is taken")
     parser.add_argument("--quantization", default="none", help="the worker's linear weights: int8, nf4")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        default="1",
+        help="ranks the worker splits the model over (3 divides its heads)",
+    )
     args = parser.parse_args()
     cache = Path(os.environ.get("LORAMUX_CACHE", ".cache")).resolve()
     print(f"preparing the default model (SmolLM2-135M-Instruct) under {cache} ...", flush=True)
@@ -65,6 +70,8 @@ def main() -> None:
             "4",
             "--quantization",
             args.quantization,
+            "--tensor-parallel-size",
+            args.tensor_parallel_size,
         ),
         _spawn_gateway(args.gateway_port, worker_address, store_address),
     ]

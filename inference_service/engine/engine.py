@@ -17,7 +17,6 @@ dead engine.
 
 import asyncio
 import logging
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -58,15 +57,8 @@ class Engine:
         model = self.runner.model_config
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
-        # Under tensor parallelism, local adapters' blobs go to a folder the other ranks read.
-        self._spool = _spool(config) if loader is None else None
-        self.loader = loader or LocalAdapterLoader(
-            model,
-            config.max_lora_rank,
-            config.torch_dtype,
-            self.runner.parallel.shard,
-            Path(self._spool.name) if self._spool else None,
-        )
+        shard = self.runner.parallel.shard
+        self.loader = loader or LocalAdapterLoader(model, config.max_lora_rank, config.torch_dtype, shard)
         self._wakeup = threading.Event()  # set when a step has something new: a submit, a load
         pinned = self.runner.device.type == "cuda"
         self.host = HostTier(config.max_cpu_loras, self.loader, pinned, self._wakeup.set)
@@ -141,7 +133,14 @@ class Engine:
         self._inbox.change(action, then=self._publish)
 
     def _publish(self) -> None:
-        stats = self.metrics.snapshot(self.host.stats(), self.memory.stats(), self.scheduler.stats())
+        runner = self.runner
+        stats = self.metrics.snapshot(
+            self.host.stats(),
+            self.memory.stats(),
+            self.scheduler.stats(),
+            runner.ranks,
+            runner.parallel.seconds,
+        )
         self._snapshot = Snapshot(stats, self.host.held(), self.memory.resident_digests())
 
     def _require_adapter(self, name: str) -> None:
@@ -306,7 +305,7 @@ class Engine:
         for took in seconds:
             self.metrics.adapter_load_seconds.observe(took)
         for name, digest, error in failed:
-            self._fail_adapter(name, digest, _as_loramux(error, name))
+            self._fail_adapter(name, digest, error)
 
     def _fail_adapter(
         self, name: str, digest: str | None, error: LoramuxError, slot: int | None = None
@@ -327,13 +326,6 @@ class Engine:
         self.streams.close(seq, error)
 
 
-def _spool(config: EngineConfig) -> tempfile.TemporaryDirectory | None:
-    """A folder for local adapters' blobs under tensor parallelism (it goes with the engine)."""
-    if config.tensor_parallel_size == 1:
-        return None
-    return tempfile.TemporaryDirectory(prefix="loramux-adapter-blobs-")
-
-
 def _sequence(request: Request, device: torch.device, digest: str | None) -> Sequence:
     generator = generator_for(request.params, device)  # a seeded request's own, for its whole life
     prompt = list(request.prompt_token_ids)
@@ -346,14 +338,3 @@ def _overflowed(seq: Sequence, dtype: str) -> FailedPrecondition:
         f"{source} produced NaN or Inf logits for this request (values overflow in {dtype}); "
         "the request was stopped"
     )
-
-
-def _as_loramux(error: Exception, name: str) -> LoramuxError:
-    if isinstance(error, LoramuxError):
-        return error
-    log.error("loading adapter %r failed", name, exc_info=error)
-    if isinstance(error, OSError):  # this worker's disk (a full cache), not the adapter
-        return Unavailable(
-            f"adapter {name!r}: this worker cannot read or write its adapter cache ({brief(error)})"
-        )
-    return FailedPrecondition(f"adapter {name!r} could not be loaded: {brief(error)}")

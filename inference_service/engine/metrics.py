@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from inference_service.adapters.host_tier import HostTierStats
 from inference_service.engine.adapter_memory import SlotStats
+from inference_service.engine.rank_group import RankReport
 from inference_service.engine.scheduler import SchedulerStats
 from inference_service.engine.sequence import Sequence
 
@@ -45,6 +46,8 @@ class EngineStats:
     host_tier: HostTierStats
     slots: SlotStats
     scheduler: SchedulerStats
+    ranks: tuple[RankReport, ...]  # what each tensor-parallel rank holds (rank 0 alone at one rank)
+    collective_seconds: float  # rank 0's time in exchanges with the other ranks, so far
 
 
 @dataclass
@@ -59,7 +62,14 @@ class EngineMetrics:
         self.prompt_tokens += len(seq.prompt_token_ids)
         self.generation_tokens += len(seq.output_token_ids)
 
-    def snapshot(self, host_tier: HostTierStats, slots: SlotStats, scheduler: SchedulerStats) -> EngineStats:
+    def snapshot(
+        self,
+        host_tier: HostTierStats,
+        slots: SlotStats,
+        scheduler: SchedulerStats,
+        ranks: tuple[RankReport, ...] = (),
+        collective_seconds: float = 0.0,
+    ) -> EngineStats:
         return EngineStats(
             dict(self.requests),
             self.prompt_tokens,
@@ -68,4 +78,6 @@ class EngineMetrics:
             host_tier,
             slots,
             scheduler,
+            ranks,
+            collective_seconds,
         )

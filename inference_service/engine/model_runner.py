@@ -16,7 +16,7 @@ from inference_service.engine.adapter_memory import (
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_blocks, cuda_blocks, sized_by
-from inference_service.engine.rank_group import RankGroup
+from inference_service.engine.rank_group import RankGroup, RankReport
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
@@ -76,6 +76,7 @@ class ModelRunner:
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
+        self.ranks = (RankReport(self.parallel.shard.rank, **self.memory_report()),)  # the others: start
         self.graphs = None
         # An MoE step's expert tiles depend on its routing (read on the host): no graph replays
         # it; nor one whose layers exchange with other ranks.
@@ -95,6 +96,7 @@ class ModelRunner:
         except Exception as e:
             raise followers.start_failure(e) from e
         followers.wait_ready()
+        runner.ranks += tuple(followers.reports)
         return runner
 
     def memory_report(self) -> dict[str, int]:

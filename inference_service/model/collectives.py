@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from inference_service.model.shard import Shard
 
+IDLE_FOREVER = datetime.timedelta(days=36500)
+
 
 class Collectives:
     def __init__(
@@ -31,10 +33,12 @@ class Collectives:
     @classmethod
     def connect(cls, shard: Shard, port: int, device: torch.device, timeout_s: float) -> "Collectives":
         """Join the group of `shard.size` ranks whose rank 0 serves a TCPStore on loopback `port`
-        (rank 0 starts it). A collective waits `timeout_s` for the others, then fails."""
+        (rank 0 starts it). A collective of the model waits `timeout_s` for the others, then
+        fails; a rank waiting for rank 0's next command waits without end."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, shard.size, shard.rank == 0, timeout=timeout)
-        meta = dist.ProcessGroupGloo(dist.PrefixStore("meta", store), shard.rank, shard.size, timeout)
+        # The other ranks wait for rank 0's next command as long as the worker sits idle.
+        meta = dist.ProcessGroupGloo(dist.PrefixStore("meta", store), shard.rank, shard.size, IDLE_FOREVER)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

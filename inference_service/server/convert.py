@@ -196,4 +196,14 @@ def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
         host_request_misses=host.request_misses,
         adapter_memory_used_bytes=slots.bytes_used,
         adapter_memory_total_bytes=slots.bytes_total,
+        ranks=[
+            pb.RankMemory(
+                rank=r.rank,
+                weight_bytes=r.weight_bytes,
+                adapter_memory_bytes=r.adapter_memory_bytes,
+                kv_cache_bytes=r.kv_cache_bytes,
+            )
+            for r in snapshot.ranks
+        ],
+        collective_seconds=snapshot.collective_seconds,
     )

@@ -149,6 +149,7 @@ class EngineCollector(Collector):
         yield from _scheduler_families(stats)
         yield from _slot_families(stats)
         yield from _host_tier_families(stats, config.max_cpu_loras)
+        yield from _rank_families(stats)
         yield _histogram(
             "loramux:adapter_load_seconds",
             "Seconds to make an adapter ready in host "
@@ -257,6 +258,25 @@ def _host_tier_families(stats: EngineStats, capacity: int) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "loramux:host_tier_evictions", "Adapters dropped from host memory", host.evictions
+    )
+
+
+def _rank_families(stats: EngineStats) -> Iterator[Metric]:
+    """Each tensor-parallel rank's device memory, and rank 0's time in exchanges with the others."""
+    parts = {
+        "weight": "Bytes of the model's weights a tensor-parallel rank holds",
+        "adapter_memory": "Bytes of adapter memory a tensor-parallel rank holds",
+        "kv_cache": "Bytes of KV cache a tensor-parallel rank holds",
+    }
+    for part, documentation in parts.items():
+        family = GaugeMetricFamily(f"loramux:rank_{part}_bytes", documentation, labels=["rank"])
+        for report in stats.ranks:
+            family.add_metric([str(report.rank)], getattr(report, f"{part}_bytes"))
+        yield family
+    yield CounterMetricFamily(
+        "loramux:collective_seconds",
+        "Seconds rank 0 spent in exchanges with the other tensor-parallel ranks",
+        stats.collective_seconds,
     )
 
 

@@ -177,6 +177,9 @@ def _alone(model, folder, prompts: list[list[int]], max_tokens: int) -> list[lis
     return [out.token_ids for out in engine.generate([Request(p, "x", params) for p in prompts])]
 
 
+STREAMS, STREAM_TOKENS = [[5, 6, 7, 8], [9, 10, 11, 12]], 600
+
+
 @pytest.mark.parametrize("change", ["re-register", "delete"])
 def test_streams_finish_on_the_content_they_began_with_when_the_store_changes_it(
     tmp_path, long_model, store, admin, sources_root, tiny_adapters, change
@@ -185,33 +188,43 @@ def test_streams_finish_on_the_content_they_began_with_when_the_store_changes_it
     store re-registers or deletes their adapter while they run, then the newer stream is
     preempted, its adapter's old content reloaded by digest from the worker's disk cache, and it
     is computed again: both end with the old content's tokens alone."""
-    name, prompts, max_tokens = f"versioned-{change}", [[5, 6, 7, 8], [9, 10, 11, 12]], 600
+    name = f"versioned-{change}"
     register(admin, name, f"file://{sources_root / 'all8'}")
+    new = (
+        _alone(long_model, tiny_adapters["llama"]["pattern"], STREAMS[:1], 4)[0]
+        if change == "re-register"
+        else None
+    )
     flags = ("--kv-cache-tokens", "800", "--max-model-len", "640", "--max-cpu-loras", "0")
     worker = WorkerProcess(long_model, store.address, tmp_path / "cache", *flags).start()
-    expected = _alone(long_model, tiny_adapters["llama"]["all8"], prompts, max_tokens)
+    try:
+        tokens = _streams_through_a_store_change(worker, admin, name, sources_root, new)
+    finally:
+        worker.terminate()
+    assert worker.wait() == 0
+    assert tokens == _alone(long_model, tiny_adapters["llama"]["all8"], STREAMS, STREAM_TOKENS)
+
+
+def _streams_through_a_store_change(worker, admin, name: str, sources_root, new: list[int] | None):
+    """STREAMS on adapter `name`; once they run, it is deleted, and registered anew from
+    'pattern' when `new` gives that content's first tokens (seen before the streams go on)."""
     with grpc.insecure_channel(worker.address) as channel:
         stub = inference_grpc.InferenceServiceStub(channel)
-        streams = [
-            stub.Generate(_request(name, p, max_tokens, ignore_eos=True), timeout=120) for p in prompts
-        ]
+        requests = [_request(name, p, STREAM_TOKENS, ignore_eos=True) for p in STREAMS]
+        streams = [stub.Generate(request, timeout=120) for request in requests]
         tokens = [list(next(stream).delta.token_ids) for stream in streams]
         admin.DeleteAdapter(store_pb.DeleteAdapterRequest(adapter_id=name), metadata=AUTH)
-        if change == "re-register":  # the store takes a name's new content once the old is deleted
+        if new is not None:  # the store takes a name's new content once the old is deleted
             register(admin, name, f"file://{sources_root / 'pattern'}")
-            short = _alone(long_model, tiny_adapters["llama"]["pattern"], prompts[:1], 4)[0]
-            until(lambda: _tokens(stub, _request(name, prompts[0], 4, ignore_eos=True))[0] == short)
+            until(lambda: _tokens(stub, _request(name, STREAMS[0], 4, ignore_eos=True))[0] == new)
         else:
             until(lambda: _status(stub, _request(name, [5], 2)) == grpc.StatusCode.NOT_FOUND)
-        assert stub.GetStats(pb.GetStatsRequest()).num_preemptions == 0, (
-            "the change landed after a preemption"
-        )
+        preempted = stub.GetStats(pb.GetStatsRequest()).num_preemptions
+        assert preempted == 0, "the change landed after a preemption"
         for stream, got in zip(streams, tokens, strict=True):
             got += [t for response in stream for t in response.delta.token_ids]
         assert stub.GetStats(pb.GetStatsRequest()).num_preemptions > 0
-    worker.terminate()
-    assert worker.wait() == 0
-    assert tokens == expected
+    return tokens
 
 
 def test_worker_keeps_serving_through_a_store_outage(generate, admin, store, sources_root, in_process):

@@ -118,6 +118,22 @@ def test_a_rank_that_dies_or_hangs_ends_every_stream_with_unavailable_and_leaves
     assert not _alive(pid)
 
 
+def test_ranks_wait_for_the_next_step_however_long_the_engine_sits_idle(tiny_models):
+    """Past the step timeout with nothing to do, the ranks are still there to serve."""
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=2, step_timeout_s=1.0))
+    engine.start()
+    try:
+        time.sleep(2.5)
+        deltas = []
+        engine.submit(Request([5, 6], None, SamplingParams(max_tokens=4, ignore_eos=True)), deltas.append)
+        deadline = time.monotonic() + 10
+        while not (deltas and deltas[-1].finish_reason) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert deltas[-1].finish_reason == "length"
+
+
 def test_a_rank_that_dies_as_it_starts_fails_the_engines_start_naming_it(tiny_models):
     """As the kernel's OOM killer would end it while it loads its part of the model."""
     killed = threading.Thread(target=_kill_first_rank, args=(os.getpid(),), daemon=True)
