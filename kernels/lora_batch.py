@@ -26,6 +26,13 @@ PAGE_RANK = 8  # rank rows per page
 TILE_ROWS = 16  # tokens per Triton program: the smallest M tl.dot takes
 
 
+def page_width(in_features: int, out_features: int, gathered: int = 1) -> int:
+    """Elements of one page of a target (of one expert's block of it): PAGE_RANK rows of A, then
+    PAGE_RANK rows of B^T for each of the `gathered` tensor-parallel ranks whose shrinks it
+    reads (a fully sharded column layer's), rank after rank."""
+    return PAGE_RANK * (in_features + gathered * out_features)
+
+
 @dataclass(frozen=True)
 class AdapterPages:
     """Where one resident adapter lies in adapter memory, per target: its rank there (0: the
@@ -47,15 +54,17 @@ class AdapterPages:
 
 
 def page_rows(
-    pool: torch.Tensor, unit: int, in_features: int, out_features: int
+    pool: torch.Tensor, unit: int, in_features: int, out_features: int, gathered: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [windows, PAGE_RANK*in] and B^T [windows, PAGE_RANK*out] of the page starting at each
-    unit of one layer's pool [units*unit], each page's rows flat, as overlapping views (no copy):
-    index u is the page at unit u, for every u where a page of this target ends inside the pool."""
-    windows = max(0, (pool.numel() - PAGE_RANK * (in_features + out_features)) // unit + 1)
+    """A [windows, PAGE_RANK*in] and B^T [windows, gathered*PAGE_RANK*out] of the page starting at
+    each unit of one layer's pool [units*unit], each page's rows flat, as overlapping views (no
+    copy): index u is the page at unit u, for every u where a page of this target ends inside the
+    pool."""
+    windows = max(0, (pool.numel() - page_width(in_features, out_features, gathered)) // unit + 1)
     base = pool.storage_offset()
     a = pool.as_strided((windows, PAGE_RANK * in_features), (unit, 1), base)
-    b = pool.as_strided((windows, PAGE_RANK * out_features), (unit, 1), base + PAGE_RANK * in_features)
+    b_width = gathered * PAGE_RANK * out_features
+    b = pool.as_strided((windows, b_width), (unit, 1), base + PAGE_RANK * in_features)
     return a, b
 
 

@@ -29,6 +29,11 @@ PACKED_MODULES = {
     "shared_expert_gate": ("shared_expert_gate", 0),
 }
 
+# How tensor parallelism splits each target's layer (Megatron): by output rows, by input columns
+# (its ranks' outputs summed), or not at all.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "shared_gate_proj", "shared_up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "shared_down_proj")
+
 # Where each PEFT module sits inside a decoder layer, as HF names it.
 MODULE_PARENTS = {
     "q_proj": "self_attn",
@@ -61,13 +66,17 @@ EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")  # on an MoE model
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One linear layer of a decoder block: its packed home and its weight shape."""
+    """One linear layer of a decoder block: its packed home and its weight shape (on a
+    tensor-parallel rank, the shape of its LoRA's part there)."""
 
     packed: str
     slice_index: int
     in_features: int
     out_features: int
     experts: int = 1  # an MoE layer's gate/up/down: one such weight per expert
+    # Blocks of B^T rank rows a LoRA page holds per block of A rows: a fully sharded column
+    # layer's rank holds every rank's B rows for its outputs (their shrinks are gathered).
+    gathered: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,9 @@ class ModelConfig:
     checkpoint_quantization: str = "none"  # "nf4" or "int8": the folder holds pre-quantized weights
     moe: MoeConfig | None = None  # None: a dense MLP in every layer
     qk_norm: str = "none"  # "head": RMSNorm of each head's q and k (Qwen3); "full": of all of q, k (OLMoE)
+    # On a tensor-parallel rank whose adapters are fully sharded (S-LoRA), the ranks they are
+    # split over: linear_shapes() then gives each target's LoRA part on the rank. 1: none.
+    lora_ranks: int = 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -210,12 +222,14 @@ class ModelConfig:
                 "shared_down_proj": (shared, h),
                 "shared_expert_gate": (h, 1),
             }
+        n = self.lora_ranks  # fully sharded LoRA: a row layer's B split too, a column layer's B gathered
         return {
             name: LinearShape(
                 *PACKED_MODULES[name],
                 in_features=in_out[name][0],
-                out_features=in_out[name][1],
+                out_features=in_out[name][1] // (n if name in ROW_PARALLEL else 1),
                 experts=experts if name in EXPERT_TARGETS else 1,
+                gathered=n if name in COLUMN_PARALLEL else 1,
             )
             for name in self.lora_targets
         }

@@ -11,13 +11,16 @@ from inference_service.model.collectives import Collectives
 from inference_service.model.shard import Shard
 
 
-def run_ranks(size: int, fn, *args, timeout_s: float = 300):
-    """fn(parallel, *args) on ranks 0..size-1 (parallel: that rank's Collectives); rank 0's
-    result, or the first rank's error."""
+def run_ranks(size: int, fn, *args, fully_sharded: bool = False, timeout_s: float = 300):
+    """fn(parallel, *args) on ranks 0..size-1 (parallel: that rank's Collectives, its adapters
+    fully sharded or not); rank 0's result, or the first rank's error."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    ranks = [context.Process(target=_rank, args=(r, size, port, results, fn, args)) for r in range(size)]
+    ranks = [
+        context.Process(target=_rank, args=(Shard(r, size, fully_sharded), port, results, fn, args))
+        for r in range(size)
+    ]
     for process in ranks:
         process.start()
     outcomes = {}
@@ -40,14 +43,14 @@ class _Failed:
         self.text = text
 
 
-def _rank(rank: int, size: int, port: int, results, fn, args) -> None:
+def _rank(shard: Shard, port: int, results, fn, args) -> None:
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    parallel = Collectives.connect(Shard(rank, size), port, torch.device("cpu"), timeout_s=60)
+    parallel = Collectives.connect(shard, port, torch.device("cpu"), timeout_s=60)
     try:
         outcome = fn(parallel, *args)
     except BaseException:
         outcome = _Failed(traceback.format_exc())
-    results.put((rank, outcome if rank == 0 or isinstance(outcome, _Failed) else None))
+    results.put((shard.rank, outcome if shard.rank == 0 or isinstance(outcome, _Failed) else None))
     parallel.close()
 
 

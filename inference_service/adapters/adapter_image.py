@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from inference_service.model.shard import Shard
-from kernels.lora_batch import PAGE_RANK
+from kernels.lora_batch import PAGE_RANK, page_width
 from shared.model_config import LinearShape, ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
@@ -16,7 +16,8 @@ from shared.peft_checkpoint import AdapterWeights, ModuleLora
 @dataclass(frozen=True)
 class AdapterImage:
     ranks: tuple[int, ...]  # [targets]: the largest rank over layers, lora_targets order (0: none)
-    pages: tuple[torch.Tensor, ...]  # [targets] of [pages_t, layers, experts_t * PAGE_RANK * (in_t + out_t)]
+    # [targets] of [pages_t, layers, experts_t * PAGE_RANK * (in_t + gathered_t * out_t)]
+    pages: tuple[torch.Tensor, ...]
 
     @property
     def need(self) -> tuple[int, ...]:
@@ -35,14 +36,7 @@ class AdapterImage:
         shapes, targets = model.linear_shapes(), model.lora_targets
         ranks = tuple(weights.module_ranks.get(target, 0) for target in targets)
         pages = tuple(
-            torch.empty(
-                -(-rank // PAGE_RANK),
-                model.num_layers,
-                shapes[target].experts
-                * PAGE_RANK
-                * (shapes[target].in_features + shapes[target].out_features),
-                dtype=dtype,
-            )
+            torch.empty(-(-rank // PAGE_RANK), model.num_layers, _width(shapes[target]), dtype=dtype)
             for target, rank in zip(targets, ranks, strict=True)
         )  # [pages_t, layers, page width] each
         placed: set[tuple[int, str]] = set()
@@ -86,30 +80,45 @@ class AdapterImage:
         return replace(self, pages=tuple(image.pin_memory() for image in self.pages))
 
 
+def _width(shape: LinearShape) -> int:
+    """A page's width: every expert's block of it."""
+    return shape.experts * page_width(shape.in_features, shape.out_features, shape.gathered)
+
+
 def _place(image: torch.Tensor, lora: ModuleLora, module: str, shape: LinearShape) -> None:
     """Write one module's A and B^T rows into its layer's pages `image` [pages, width]: page g
-    holds rank rows PAGE_RANK*g .. PAGE_RANK*g + 7, A's then B^T's; an expert target's page holds
-    them for expert 0, then expert 1, ..."""
-    in_features, out_features, experts = shape.in_features, shape.out_features, shape.experts
+    holds rank rows PAGE_RANK*g .. PAGE_RANK*g + 7, A's then B^T's (of a gathered target, those
+    rows of every rank's part of B, rank after rank); an expert target's page holds them for
+    expert 0, then expert 1, ..."""
+    in_features, out_features, experts, gathered = (
+        shape.in_features,
+        shape.out_features,
+        shape.experts,
+        shape.gathered,
+    )
     stack = (experts,) if experts > 1 else ()
     rank = lora.rank
-    if lora.a.shape != (*stack, rank, in_features) or lora.b_t.shape != (*stack, rank, out_features):
+    want_b = (*stack, gathered * rank, out_features)
+    if lora.a.shape != (*stack, rank, in_features) or lora.b_t.shape != want_b:
         raise ValueError(
             f"{module}: A {tuple(lora.a.shape)} and B^T {tuple(lora.b_t.shape)} do not fit the "
             f"model's [{', '.join(map(str, [*stack, 'r', in_features]))}] and "
-            f"[{', '.join(map(str, [*stack, 'r', out_features]))}]"
+            f"[{', '.join(map(str, [*stack, 'r' if gathered == 1 else f'{gathered}r', out_features]))}]"
         )
-    blocks = image.unflatten(1, (experts, -1))  # [pages, experts, PAGE_RANK * (in + out)]
+    blocks = image.unflatten(1, (experts, -1))  # [pages, experts, page width]
     a = blocks[..., : PAGE_RANK * in_features].unflatten(2, (PAGE_RANK, in_features))  # [pages, E, 8, in]
-    b = blocks[..., PAGE_RANK * in_features :].unflatten(2, (PAGE_RANK, out_features))  # [pages, E, 8, out]
-    lora_a, lora_b = lora.a.reshape(experts, rank, in_features), lora.b_t.reshape(experts, rank, out_features)
+    b = blocks[..., PAGE_RANK * in_features :].unflatten(
+        2, (gathered, PAGE_RANK, out_features)
+    )  # [pages, E, g, 8, out]
+    lora_a = lora.a.reshape(experts, rank, in_features)
+    lora_b = lora.b_t.reshape(experts, gathered, rank, out_features)
     full, rest = divmod(rank, PAGE_RANK)
     # zeros for the rank rows past this module's: its last page's tail, the pages a larger rank
     # of the same target in another layer needs
     a[full:].zero_()
     b[full:].zero_()
     a[:full].copy_(lora_a[:, : full * PAGE_RANK].unflatten(1, (full, PAGE_RANK)).transpose(0, 1))
-    b[:full].copy_(lora_b[:, : full * PAGE_RANK].unflatten(1, (full, PAGE_RANK)).transpose(0, 1))
+    b[:full].copy_(lora_b[:, :, : full * PAGE_RANK].unflatten(2, (full, PAGE_RANK)).permute(2, 0, 1, 3, 4))
     if rest:
         a[full, :, :rest].copy_(lora_a[:, full * PAGE_RANK :])
-        b[full, :, :rest].copy_(lora_b[:, full * PAGE_RANK :])
+        b[full, :, :, :rest].copy_(lora_b[:, :, full * PAGE_RANK :])

@@ -56,8 +56,10 @@ def adapter_bytes(model: ModelConfig, need: tuple[int, ...], dtype: torch.dtype)
 
 def slot_memory(model: ModelConfig, loras: int, rank: int, dtype: torch.dtype) -> int:
     """Bytes of `loras` adapters of rank `rank` on every target: what max_loras slots of
-    max_lora_rank held before unified memory, the default --adapter-memory."""
-    need = (-(-rank // PAGE_RANK),) * len(model.lora_targets)
+    max_lora_rank held before unified memory, the default --adapter-memory. A fully sharded
+    column target holds ceil(rank / N) of the rank rows on each of its N ranks."""
+    shapes = model.linear_shapes().values()
+    need = tuple(math.ceil(math.ceil(rank / s.gathered) / PAGE_RANK) for s in shapes)
     return loras * adapter_bytes(model, need, dtype)
 
 
@@ -118,8 +120,9 @@ def _units(need: tuple[int, ...], page_units: tuple[int, ...]) -> int:
 
 
 def _block_widths(model: ModelConfig) -> list[int]:
-    """in_features + out_features of each target (of one expert), lora_targets order."""
-    return [s.in_features + s.out_features for s in model.linear_shapes().values()]
+    """in_features + gathered * out_features of each target (of one expert), lora_targets order:
+    a page's width over PAGE_RANK."""
+    return [s.in_features + s.gathered * s.out_features for s in model.linear_shapes().values()]
 
 
 class _FreeRuns:

@@ -34,6 +34,10 @@ class EngineConfig:
     # Ranks the model is split over (model/shard.py): this process is rank 0, it starts the others
     # (one process each; on CUDA rank r runs on cuda:r).
     tensor_parallel_size: int = 1
+    # Adapters split S-LoRA's way over the ranks (model/shard.py): each holds about 1/N of every
+    # adapter, for an exchange of each layer's shrink; False: vLLM's default, a layer's LoRA split
+    # as its base weight is, with no exchange of its own.
+    fully_sharded_loras: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

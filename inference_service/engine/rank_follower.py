@@ -79,7 +79,7 @@ def main() -> None:
     if config.device == "cuda":
         torch.cuda.set_device(args.rank)
     try:
-        shard = Shard(args.rank, size)
+        shard = Shard(args.rank, size, config.fully_sharded_loras)
         parallel = Collectives.connect(shard, args.port, torch.device(config.device), config.step_timeout_s)
         runner = ModelRunner(config, parallel)
     except Exception as e:

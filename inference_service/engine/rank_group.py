@@ -55,9 +55,8 @@ class RankGroup:
         size, port = config.tensor_parallel_size, _free_port()
         self._processes = [_spawn(config, rank, port) for rank in range(1, size)]
         self._closer = weakref.finalize(self, _end, self._processes)  # an engine never stopped
-        self.parallel = self._connect(
-            Shard(0, size), port, torch.device(config.device), config.step_timeout_s
-        )
+        shard = Shard(0, size, config.fully_sharded_loras)
+        self.parallel = self._connect(shard, port, torch.device(config.device), config.step_timeout_s)
         self.reports: list[RankReport] = []
 
     def _connect(self, shard: Shard, port: int, device: torch.device, timeout_s: float) -> Collectives:

@@ -1,14 +1,65 @@
 """A base linear layer with N packed output slices and paged LoRA adapters on top."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from inference_service.model.base_weight import base_weight
-from kernels.lora_batch import LoraBatch
+from inference_service.model.collectives import Collectives
+from kernels.lora_batch import PAGE_RANK, LoraBatch
 from kernels.lora_bmm import lora_bmm
 from kernels.lora_expand import lora_expand_triton
 from kernels.lora_shrink import lora_shrink_triton
+
+
+@dataclass(frozen=True)
+class LoraSplit:
+    """How a fully sharded adapter's part on a tensor-parallel rank (shard.py) meets the other
+    ranks' in one layer. A column layer's ranks hold rank rows of A: their shrinks are gathered,
+    and this rank's B rows (every rank's, for its outputs) read them all. A row layer's ranks hold
+    input columns of A: their shrinks are summed, and this rank's B adds the output columns it
+    covers, before the layer's own all-reduce sums the ranks' outputs."""
+
+    parallel: Collectives
+    kind: str  # "column" | "row"
+
+    @classmethod
+    def of(cls, parallel: Collectives, kind: str) -> "LoraSplit | None":
+        """The split of a `kind` layer, or None where LoRA follows the base layer's split."""
+        return cls(parallel, kind) if parallel.size > 1 and parallel.shard.fully_sharded else None
+
+    @property
+    def gathered(self) -> int:
+        """Blocks of rank rows this rank's B^T pages hold: one per rank on a column layer."""
+        return self.parallel.size if self.kind == "column" else 1
+
+    def shrunk(self, shrunk: torch.Tensor) -> torch.Tensor:
+        """The CPU path's shrink [chunks, pages*PAGE_RANK, rows] as this rank's B reads it."""
+        if self.kind == "row":
+            return self.parallel.all_reduce(shrunk)
+        n, (chunks, rank, rows) = self.parallel.size, shrunk.shape
+        every = self.parallel.all_gather(shrunk.unsqueeze(0), dim=0)  # [ranks, chunks, rank, rows]
+        pages = every.view(n, chunks, rank // PAGE_RANK, PAGE_RANK, rows)
+        return pages.permute(1, 2, 0, 3, 4).reshape(chunks, n * rank, rows)  # page after page
+
+    def partials(self, partials: torch.Tensor) -> torch.Tensor:
+        """The Triton path's shrink partials [splits, tokens, slices, lanes], summed, as this
+        rank's B reads them: [1, tokens, slices, gathered * lanes]."""
+        shrunk = partials.sum(dim=0)  # [tokens, slices, lanes]
+        if self.kind == "row":
+            return self.parallel.all_reduce(shrunk).unsqueeze(0)
+        every = self.parallel.all_gather(shrunk.unsqueeze(0), dim=0)  # [ranks, tokens, slices, lanes]
+        return every.permute(1, 2, 0, 3).flatten(2).unsqueeze(0).contiguous()
+
+    def outputs(self, y: torch.Tensor, slice_sizes: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The columns of y this rank's B adds to, and their slice sizes: a row layer's share."""
+        if self.kind == "column":
+            return y, slice_sizes
+        (size,), rank = slice_sizes, self.parallel.shard.rank
+        part = size // self.parallel.size
+        return y[:, rank * part : (rank + 1) * part], (part,)
 
 
 class LoRALinear(nn.Module):
@@ -31,8 +82,10 @@ class LoRALinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quantization: str = "none",
+        split: LoraSplit | None = None,
     ):
         super().__init__()
+        self.split = split
         out_features = sum(slice_sizes)
         self.in_features = in_features
         self.base = base_weight(quantization, in_features, slice_sizes, dtype, device)
@@ -49,7 +102,7 @@ class LoRALinear(nn.Module):
         y = self.base(x, self.bias)  # [tokens, out]
         if lora is None:
             return y
-        return add_lora(y, x, lora, self.pool, self.unit, self.first_target, self.slice_sizes)
+        return add_lora(y, x, lora, self.pool, self.unit, self.first_target, self.slice_sizes, self.split)
 
 
 def add_lora(
@@ -60,21 +113,29 @@ def add_lora(
     unit: int,
     first_target: int,
     slice_sizes: tuple[int, ...],
+    split: LoraSplit | None = None,
 ) -> torch.Tensor:
     """y[:, slice s] += B_t A_t x for each row's adapter on target t = first_target + s (y [rows,
     sum(slice_sizes)], x [rows, in]), the rows being a step's tokens or an MoE layer's (token,
-    expert) pairs; updated in place where it can be, and returned."""
+    expert) pairs; updated in place where it can be, and returned. `split`: a fully sharded
+    adapter's part, which meets the other ranks' (every rank makes the same calls)."""
+    out, sizes = split.outputs(y, slice_sizes) if split else (y, slice_sizes)
+    gathered = split.gathered if split else 1
     if lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing
-        partials = lora_shrink_triton(x, pool, lora.table, first_target, len(slice_sizes), unit)
-        return lora_expand_triton(y, partials, pool, lora.table, first_target, slice_sizes, x.shape[1], unit)
-    rows = lora.rows[first_target : first_target + len(slice_sizes)] if lora.rows else ()
+        partials = lora_shrink_triton(x, pool, lora.table, first_target, len(sizes), unit)
+        if split is not None:
+            partials = split.partials(partials)
+        lora_expand_triton(out, partials, pool, lora.table, first_target, sizes, x.shape[1], unit, gathered)
+        return y
+    rows = lora.rows[first_target : first_target + len(sizes)] if lora.rows else ()
     if not any(rows):
         return y
     if any(work.gather is not None for target_rows in rows if target_rows for work in target_rows):
         x = F.pad(x, (0, 0, 0, 1))  # [rows + 1, in]: padding rows read the zero row
-    for (offset, size), target_rows in zip(_slice_offsets(slice_sizes), rows, strict=True):
+    exchange = split.shrunk if split else None
+    for (offset, size), target_rows in zip(_slice_offsets(sizes), rows, strict=True):
         for work in target_rows or ():
-            lora_bmm(y[:, offset : offset + size], x, pool, unit, work)
+            lora_bmm(out[:, offset : offset + size], x, pool, unit, work, gathered, exchange)
     return y
 
 

@@ -9,7 +9,7 @@ from inference_service.model.attention import attend
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
-from inference_service.model.lora_linear import LoRALinear
+from inference_service.model.lora_linear import LoRALinear, LoraSplit
 from inference_service.model.moe import SparseMoe
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from inference_service.model.shard import Shard
@@ -89,11 +89,13 @@ class Attention(nn.Module):
             dtype,
             device,
             quantization,
+            LoraSplit.of(parallel, "column"),
         )
         o_memory = (pool, unit, cfg.first_target("o_proj"))
         o_bias = cfg.o_bias and parallel.shard.rank == 0  # row-parallel: added once to the sum
+        o_split = LoraSplit.of(parallel, "row")
         self.o_proj = LoRALinear(
-            cfg.q_size, (cfg.hidden_size,), o_bias, o_memory, dtype, device, quantization
+            cfg.q_size, (cfg.hidden_size,), o_bias, o_memory, dtype, device, quantization, o_split
         )
         if cfg.qk_norm == "head":  # over each head (Qwen3)
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -148,11 +150,13 @@ class MLP(nn.Module):
             dtype,
             device,
             quantization,
+            LoraSplit.of(parallel, "column"),
         )
         down_memory = (pool, unit, cfg.first_target("down_proj"))
         down_bias = cfg.mlp_bias and parallel.shard.rank == 0  # row-parallel: added once to the sum
+        down_split = LoraSplit.of(parallel, "row")
         self.down_proj = LoRALinear(
-            inter, (cfg.hidden_size,), down_bias, down_memory, dtype, device, quantization
+            inter, (cfg.hidden_size,), down_bias, down_memory, dtype, device, quantization, down_split
         )
 
     def forward(self, x, batch: ForwardBatch) -> torch.Tensor:

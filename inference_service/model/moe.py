@@ -14,8 +14,8 @@ from torch import nn
 
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
-from inference_service.model.lora_linear import LoRALinear, add_lora
-from kernels.lora_batch import PAGE_RANK, LoraBatch
+from inference_service.model.lora_linear import LoRALinear, LoraSplit, add_lora
+from kernels.lora_batch import LoraBatch, page_width
 from kernels.moe_gemm import ExpertPlan, combine, moe_gemm, moe_gemm_triton
 from shared.model_config import EXPERT_TARGETS, ModelConfig
 
@@ -48,6 +48,7 @@ class SparseMoe(nn.Module):
         self.w13 = weight(experts, 2 * inter, hidden)  # each expert's gate rows, then its up rows
         self.w2 = weight(experts, hidden, inter)
         shared = moe.shared_intermediate_size
+        self.column, self.row = LoraSplit.of(self.parallel, "column"), LoraSplit.of(self.parallel, "row")
         if shared:  # Qwen2-MoE's shared expert, its output gated per token
             self.shared_gate_up_proj = LoRALinear(
                 hidden,
@@ -56,9 +57,11 @@ class SparseMoe(nn.Module):
                 (pool, unit, cfg.first_target("shared_gate_up_proj")),
                 dtype,
                 device,
+                split=self.column,
             )
+            shared_down = (pool, unit, cfg.first_target("shared_down_proj"))
             self.shared_down_proj = LoRALinear(
-                shared, (hidden,), False, (pool, unit, cfg.first_target("shared_down_proj")), dtype, device
+                shared, (hidden,), False, shared_down, dtype, device, split=self.row
             )
             self.shared_expert_gate = LoRALinear(
                 hidden, (1,), False, (pool, unit, cfg.first_target("shared_expert_gate")), dtype, device
@@ -69,9 +72,12 @@ class SparseMoe(nn.Module):
             cfg.first_target("down_proj"),
         )
         # units between two experts' blocks of a page (each PAGE_RANK rows of A then of B^T), on
-        # the expert targets only: gate and up map hidden to inter, down inter to hidden
-        block_units = PAGE_RANK * (hidden + inter) // unit
-        self.shifts = tuple(block_units if t in EXPERT_TARGETS else 0 for t in cfg.lora_targets)
+        # the expert targets only
+        shapes = cfg.linear_shapes()
+        self.shifts = tuple(
+            page_width(s.in_features, s.out_features, s.gathered) // unit if t in EXPERT_TARGETS else 0
+            for t, s in shapes.items()
+        )
 
     def route(self, x: torch.Tensor, lora: LoraBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (topk_weights [tokens, top_k] fp32, topk_ids [tokens, top_k]):
@@ -93,12 +99,14 @@ class SparseMoe(nn.Module):
             x_pairs = x[plan.tokens]  # [pairs, hidden]
             h = gemm(x_pairs, self.w13, plan, gather=False)  # [pairs, 2 * inter]
             inter = h.shape[1] // 2
-            add_lora(h, x_pairs, pairs, self.pool, self.unit, self.gate_up_target, (inter, inter))
+            add_lora(
+                h, x_pairs, pairs, self.pool, self.unit, self.gate_up_target, (inter, inter), self.column
+            )
         gate, up = h.chunk(2, dim=-1)  # [pairs, inter] each
         act = F.silu(gate) * up
         y = gemm(act, self.w2, plan, gather=False)  # [pairs, hidden]
         if pairs is not None:
-            add_lora(y, act, pairs, self.pool, self.unit, self.down_target, (y.shape[1],))
+            add_lora(y, act, pairs, self.pool, self.unit, self.down_target, (y.shape[1],), self.row)
         out = combine(y, plan, weights)  # [tokens, hidden]
         if self.moe.shared_intermediate_size:
             out = out + self._shared_expert(x, batch.lora)

@@ -9,19 +9,26 @@ ranks outnumber the KV heads, each rank holds the one KV head its query heads re
 
 A rank's model is the same decoder over `config(cfg)`, a ModelConfig of its own shapes (its
 heads, its part of the intermediate dimension), so attention, the MLP and the KV cache need no
-parallel variant. LoRA follows the base layer (vLLM's default): a column layer's adapter keeps
-A whole and takes B's rows of its outputs, a row layer's takes A's columns of its inputs and
-keeps B whole, its partial sums riding the layer's own all-reduce.
+parallel variant. LoRA follows the base layer by default (vLLM's): a column layer's adapter
+keeps A whole and takes B's rows of its outputs, a row layer's takes A's columns of its inputs
+and keeps B whole, its partial sums riding the layer's own all-reduce. Fully sharded (S-LoRA's,
+`fully_sharded`), every part of an adapter is split: a column layer's A by rank rows (each rank
+holds ceil(r / N) of them and every rank's B rows for its outputs, and the ranks' shrinks are
+gathered), a row layer's A by input columns and B by output rows (the ranks' shrinks are summed,
+and each adds its output columns before the layer's all-reduce).
 """
 
+import math
 from dataclasses import dataclass, replace
 
+import torch
+import torch.nn.functional as F
+
 from shared.errors import InvalidArgument
-from shared.model_config import ModelConfig
+from shared.model_config import COLUMN_PARALLEL, ROW_PARALLEL, ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "shared_gate_proj", "shared_up_proj")
-ROW = ("o_proj", "down_proj", "shared_down_proj")
+COLUMN, ROW = COLUMN_PARALLEL, ROW_PARALLEL
 REPLICATED = ("router", "shared_expert_gate")
 
 
@@ -29,6 +36,7 @@ REPLICATED = ("router", "shared_expert_gate")
 class Shard:
     rank: int = 0
     size: int = 1
+    fully_sharded: bool = False  # LoRA split S-LoRA's way (module docstring)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -49,6 +57,11 @@ class Shard:
         for name, size in self._split_sizes(cfg).items():
             if size % n:
                 raise InvalidArgument(f"tensor_parallel_size {n} does not divide the model's {name} {size}")
+        if self.fully_sharded and cfg.hidden_size % n:
+            raise InvalidArgument(
+                f"tensor_parallel_size {n} does not divide the model's hidden size {cfg.hidden_size}, "
+                "which fully sharded adapters split"
+            )
         if cfg.qk_norm == "full" and n > kv:
             raise InvalidArgument(
                 f"{cfg.model_type} normalizes all of k at once: its {kv} KV heads cannot be replicated "
@@ -71,6 +84,7 @@ class Shard:
             num_kv_heads=max(1, cfg.num_kv_heads // n),
             intermediate_size=cfg.intermediate_size // n,
             moe=moe,
+            lora_ranks=n if self.fully_sharded else 1,
         )
 
     def adapter(self, weights: AdapterWeights, cfg: ModelConfig) -> AdapterWeights:
@@ -79,17 +93,33 @@ class Shard:
         holds an adapter in the same pages."""
         if self.size == 1:
             return weights
-        modules = {key: self._module(lora, cfg, key[1]) for key, lora in weights.modules.items()}
+        ranks = weights.module_ranks
+        modules = {
+            key: self._module(lora, cfg, key[1], ranks[key[1]]) for key, lora in weights.modules.items()
+        }
         return replace(weights, modules=modules)
 
-    def _module(self, lora: ModuleLora, cfg: ModelConfig, target: str) -> ModuleLora:
+    def _module(self, lora: ModuleLora, cfg: ModelConfig, target: str, rank: int) -> ModuleLora:
+        """This rank's part of one module's LoRA; `rank`: the target's largest over layers."""
         if target in COLUMN:
             start, stop = self.out_part(cfg, target)
+            if self.fully_sharded:
+                return self._rank_rows(lora.a, lora.b_t[..., start:stop], math.ceil(rank / self.size))
             return ModuleLora(lora.a, lora.b_t[..., start:stop])
         if target in ROW:
             start, stop = self.in_part(cfg, target)
+            if self.fully_sharded:
+                first, last = self.even(cfg.linear_shapes()[target].out_features)
+                return ModuleLora(lora.a[..., start:stop], lora.b_t[..., first:last])
             return ModuleLora(lora.a[..., start:stop], lora.b_t)
         return lora
+
+    def _rank_rows(self, a: torch.Tensor, b_t: torch.Tensor, rows: int) -> ModuleLora:
+        """A's rank rows [rank * rows, (rank + 1) * rows) (zeros past the module's rank), and B^T's
+        rows of every rank, rank after rank, as the ranks' gathered shrinks come."""
+        pad = (0, 0, 0, self.size * rows - a.shape[-2])
+        a, b_t = F.pad(a, pad), F.pad(b_t, pad)  # [..., N * rows, in], [..., N * rows, out]
+        return ModuleLora(a[..., self.rank * rows : (self.rank + 1) * rows, :], b_t)
 
     def out_part(self, cfg: ModelConfig, target: str) -> tuple[int, int]:
         """The output rows [start, stop) of a column-parallel target (or of a replicated one:

@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="split the model over this many ranks (processes this worker starts; on CUDA one GPU each)",
     )
+    p.add_argument(
+        "--fully-sharded-loras",
+        action="store_true",
+        help="split every adapter over the ranks (S-LoRA): about 1/N of it per rank, for an exchange a layer",
+    )
     p.add_argument("--max-pending", type=int, default=256, help="Generate calls held at once")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get after SIGTERM")
     p.add_argument(
@@ -169,6 +174,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         step_timeout_s=args.step_timeout,
         cuda_graphs=not args.eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        fully_sharded_loras=args.fully_sharded_loras,
     )
     return WorkerConfig(
         engine=engine,

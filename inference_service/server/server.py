@@ -115,7 +115,7 @@ def _build_engine(config: WorkerConfig, store: grpc.Channel | None) -> tuple[Eng
     e = config.engine
     model = ModelConfig.from_dir(e.model)
     limits = config.fetch.for_model(model, e.max_lora_rank)
-    shard = Shard(0, e.tensor_parallel_size)  # this process is rank 0
+    shard = Shard(0, e.tensor_parallel_size, e.fully_sharded_loras)  # this process is rank 0
     loader = StoreAdapterLoader(store, config.cache_dir, model, e.max_lora_rank, e.torch_dtype, limits, shard)
     engine = Engine(e, loader)
     engine.start()

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from kernels.lora_batch import PAGE_RANK, AdapterPages
+from kernels.lora_batch import PAGE_RANK, AdapterPages, page_width
 
 TARGETS = 7  # q, k, v, o, gate, up, down
 UNIT = 64  # elements per unit: smaller than every test page, and it divides them all
@@ -24,14 +24,18 @@ def paged_adapters(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     fill: float = math.nan,
+    gathered: int = 1,
 ) -> tuple[torch.Tensor, dict[int, AdapterPages]]:
     """(pool [units*UNIT], adapters by handle): the RANKS adapters on targets first_target + s,
-    with A rows of in_features and B^T rows of sizes[s], random weights. Every other element of
+    with A rows of in_features and B^T rows of sizes[s] (`gathered` blocks of them per page, as a
+    fully sharded column layer's rank holds), random weights. Every other element of
     the pool holds `fill` (NaN: a read the kernels must not make shows in their output), rows
     past an adapter's rank in its last page included; each adapter's OTHER_RANK pages of the
     target after the tested ones all lie at unit 0, which holds only `fill`."""
     generator = torch.Generator().manual_seed(first_target * 100 + len(sizes))
-    place_units = max(-(-PAGE_RANK * (in_features + n) // UNIT) for n in sizes)  # room for any tested page
+    place_units = max(
+        -(-page_width(in_features, n, gathered) // UNIT) for n in sizes
+    )  # room for any tested page
     places = list(range(1, 2 * sum(_pages(r) for ranks in RANKS for r in ranks[: len(sizes)]) + 1))
     random.Random(len(places)).shuffle(places)  # twice the places needed: gaps; place 0 stays `fill`
     elements = (len(places) + 1) * place_units * UNIT
@@ -46,7 +50,7 @@ def paged_adapters(
             units = tuple(places.pop() * place_units for _ in range(_pages(rank)))
             for g, u in enumerate(units):
                 rows = min(PAGE_RANK, rank - g * PAGE_RANK)
-                _write_page(pool[u * UNIT :], rows, in_features, size, generator)
+                _write_page(pool[u * UNIT :], rows, in_features, size, gathered, generator)
             target_ranks[first_target + s], target_pages[first_target + s] = rank, units
         adapters[handle] = AdapterPages(tuple(target_ranks), tuple(target_pages))
     return pool, adapters
@@ -56,9 +60,10 @@ def _pages(rank: int) -> int:
     return -(-rank // PAGE_RANK)
 
 
-def _write_page(page: torch.Tensor, rows: int, in_features: int, size: int, generator) -> None:
-    """Random A and B^T in the first `rows` rank rows of the page starting at page[0]."""
-    a = torch.randn(rows * in_features, generator=generator)
-    b = torch.randn(rows * size, generator=generator)
-    page[: rows * in_features] = a
-    page[PAGE_RANK * in_features : PAGE_RANK * in_features + rows * size] = b
+def _write_page(page: torch.Tensor, rows: int, in_features: int, size: int, gathered: int, generator) -> None:
+    """Random A and B^T in the first `rows` rank rows of the page starting at page[0] (of each of
+    its `gathered` blocks of B^T rows)."""
+    page[: rows * in_features] = torch.randn(rows * in_features, generator=generator)
+    for block in range(gathered):
+        start = PAGE_RANK * in_features + block * PAGE_RANK * size
+        page[start : start + rows * size] = torch.randn(rows * size, generator=generator)

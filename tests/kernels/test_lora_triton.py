@@ -20,10 +20,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SLICES = {1: (3, (40,)), 2: (4, (48, 48)), 3: (0, (72, 24, 24))}
 
 
-def _case(spread, slices, base_every, dtype, tokens, in_features, sizes, device="cpu"):
+def _case(spread, slices, base_every, dtype, tokens, in_features, sizes, device="cpu", gathered=1):
     first_target = SLICES[slices][0]
     torch.manual_seed(0)
-    pool, adapters = paged_adapters(first_target, in_features, sizes, dtype, device)
+    pool, adapters = paged_adapters(first_target, in_features, sizes, dtype, device, gathered=gathered)
     slots = token_slots(spread, tokens, len(RANKS), base_every, grouped=False, seed=slices)
     table = LoraBatch.build(slots, adapters, device, kernels=True).table
     return slots, pool, adapters, table
@@ -43,7 +43,7 @@ def _shrink_close(partials, x, pool, slots, adapters, first_target, slices):
     assert not got[:, :, rank:].any()
 
 
-def _expand_close(got, y, partials, pool, slots, adapters, first_target, sizes, in_features):
+def _expand_close(got, y, partials, pool, slots, adapters, first_target, sizes, in_features, gathered=1):
     """y's new value against the reference on the partials' exact sum: a term of it (one split's
     lane times a B element) goes through the additions of the splits, the cast of their sum to
     the pool's dtype, one product, at most max_rank - 1 additions and the one to y, and the cast
@@ -51,10 +51,9 @@ def _expand_close(got, y, partials, pool, slots, adapters, first_target, sizes, 
     splits, _, _, max_rank = partials.shape
     exact_buf, buf_magnitude = partials.cpu().double().sum(0), partials.cpu().double().abs().sum(0)
     y, pool = y.cpu().double(), pool.cpu().double()
-    exact = lora_expand_ref(y, exact_buf, pool, UNIT, slots, adapters, first_target, sizes, in_features)
-    magnitude = lora_expand_ref(
-        y.abs(), buf_magnitude, pool.abs(), UNIT, slots, adapters, first_target, sizes, in_features
-    )
+    args = (UNIT, slots, adapters, first_target, sizes, in_features, gathered)
+    exact = lora_expand_ref(y, exact_buf, pool, *args)
+    magnitude = lora_expand_ref(y.abs(), buf_magnitude, pool.abs(), *args)
     bound = gamma((splits + max_rank + 1) * fp32_error(got.device) + 2 * cast_error(got.dtype))
     assert_within(got, exact, bound * magnitude)
 
@@ -87,6 +86,21 @@ def test_expand_triton_matches_reference(spread, slices, base_every, dtype):
     _expand_close(out, y_old, partials, pool, slots, adapters, first_target, sizes, 72)
     base_rows = torch.tensor(slots) < 0
     assert torch.equal(out[base_rows], y_old[base_rows])
+
+
+@pytest.mark.parametrize("gathered", [2, 3])
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_triton_reads_every_ranks_shrink_of_a_fully_sharded_layer(gathered, slices, dtype):
+    """A fully sharded column layer's part on one of `gathered` ranks: the shrinks of every rank,
+    rank after rank, each read by its own block of B^T rows in every page."""
+    first_target, sizes = SLICES[slices]
+    slots, pool, adapters, table = _case("uniform", slices, 3, dtype, 37, 72, sizes, gathered=gathered)
+    y = torch.randn(37, sum(sizes), dtype=dtype)
+    partials = torch.randn(1, 37, slices, gathered * table.max_rank)
+    y_old = y.clone()
+    out = lora_expand_triton(y, partials, pool, table, first_target, sizes, 72, UNIT, gathered)
+    _expand_close(out, y_old, partials, pool, slots, adapters, first_target, sizes, 72, gathered)
 
 
 def test_a_batch_without_adapters_launches_nothing():

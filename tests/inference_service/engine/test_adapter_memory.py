@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.engine.adapter_memory import (
     AdapterMemory,
     SlotStats,
@@ -17,14 +18,18 @@ from inference_service.engine.adapter_memory import (
     memory_units,
     page_units,
     slot_memory,
+    unit_bytes,
     unit_elements,
 )
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.kv_budget import bytes_per_block
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.model import model_bytes
+from inference_service.model.shard import Shard
 from shared.errors import InvalidArgument
 from shared.model_config import ModelConfig
+from shared.peft_checkpoint import load_peft_adapter
+from tests.conftest import build_peft_adapter
 from tests.model_shapes import QWEN3_30B_A3B_CONFIG
 
 SMOLLM2 = ModelConfig.from_dict(
@@ -282,3 +287,25 @@ class RandomOperations(RuleBasedStateMachine):
 
 RandomOperations.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_random_operations = RandomOperations.TestCase
+
+
+@pytest.mark.parametrize("rank", [8, 40])
+def test_a_tensor_parallel_rank_accounts_for_its_part_of_an_adapter(rank, tiny_models, tmp_path):
+    """Adapter memory on a rank holds that rank's part, and its accounting (page units of the
+    rank's shapes) is exactly the bytes of that part's image: less than one device's. Fully
+    sharded holds least from rank 8N on: below it, a column layer's part of the rank rows still
+    fills a whole page, beside every rank's B rows for its outputs."""
+    model = ModelConfig.from_dir(tiny_models["llama"])
+    folder = build_peft_adapter(
+        tiny_models["llama"], tmp_path / "a", 3, r=rank, lora_alpha=2 * rank, target_modules="all-linear"
+    )
+    weights = load_peft_adapter("a", folder, model, 64, torch.float32)
+    held = []
+    for shard in (Shard(0, 1), Shard(0, 2), Shard(0, 2, fully_sharded=True)):
+        image = AdapterImage.of(weights, model, torch.float32, shard)
+        rank_model = shard.config(model)
+        memory = AdapterMemory(4096, page_units(rank_model), unit_bytes(rank_model, torch.float32))
+        assert memory.bytes_for(image.need) == sum(p.numel() * p.element_size() for p in image.pages)
+        held.append(memory.bytes_for(image.need))
+    one, split, fully = held
+    assert (fully < split < one) if rank >= 16 else (split < fully < one)

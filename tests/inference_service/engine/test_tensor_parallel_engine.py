@@ -22,25 +22,34 @@ from tests.inference_service.engine.test_engine import _engine, _run_staggered, 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("size", [2, 4])
+# adapter memory for max_loras rank-16 adapters on every module, so that adapters are evicted
+# and requests preempted either way (a fully sharded rank's part of one is smaller)
+@pytest.mark.parametrize(
+    ("size", "fully_sharded", "max_loras"),
+    [(2, False, 1), (4, False, 1), (2, True, 2)],
+    ids=["2", "4", "2-fully-sharded"],
+)
 def test_ranks_give_pefts_tokens_through_preemption_eviction_and_reloads(
     size,
+    fully_sharded,
+    max_loras,
     tiny_models,
     tiny_adapters,
     peft_reference,  # noqa: F811 - test_engine's fixture
 ):
     """test_engine's staggered workload in a 48-position KV cache (requests outgrow it and are
-    computed again), adapter memory for a rank-16 adapter on every module, host memory for 2: every rank
+    computed again), adapter memory for a few of its 5 adapters, host memory for 2: every rank
     loads, evicts and reloads its part of each adapter as rank 0 says."""
     prompts, expected = peft_reference
     engine = _engine(
         tiny_models,
         tiny_adapters,
         tensor_parallel_size=size,
+        fully_sharded_loras=fully_sharded,
         kv_cache_tokens=48,
         max_model_len=32,
         max_num_batched_tokens=6,
-        max_loras=1,
+        max_loras=max_loras,
         max_cpu_loras=2,
     )
     try:

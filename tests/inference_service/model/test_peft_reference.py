@@ -73,12 +73,12 @@ class Peft:
 
 def _image(runner: ModelRunner, name: str, path) -> AdapterImage:
     """The adapter's image as the runner's rank holds it."""
-    weights = load_peft_adapter(name, path, runner.model_config, 16, torch.float32)
+    weights = load_peft_adapter(name, path, runner.model_config, runner.config.max_lora_rank, torch.float32)
     return AdapterImage.of(weights, runner.model_config, torch.float32, runner.parallel.shard)
 
 
 def _runner(
-    model_dir, adapter_dirs, quantization="none", parallel=None
+    model_dir, adapter_dirs, quantization="none", parallel=None, max_lora_rank=16
 ) -> tuple[ModelRunner, dict[str, int], AdapterMemory]:
     """Every adapter loaded into pages of adapter memory, placed by AdapterMemory as the engine
     places them: a memory filled by the first ones' pages and freed in between, so later
@@ -89,7 +89,7 @@ def _runner(
             model=str(model_dir),
             quantization=quantization,
             max_loras=len(adapter_dirs),
-            max_lora_rank=16,
+            max_lora_rank=max_lora_rank,
             kv_cache_tokens=512,
             block_size=4,
         ),

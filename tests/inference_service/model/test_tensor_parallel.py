@@ -5,6 +5,8 @@ matmul's sum over the ranks and adding the partial sums is one more order of the
 additions, which the fp32 bound (tests/fp32_agreement.py) already spans; greedy tokens equal at
 every step. TP=4 on the tiny models replicates their 2 KV heads."""
 
+import json
+
 import pytest
 import torch
 
@@ -13,34 +15,57 @@ from inference_service.model.forward_batch import SequenceInput
 from inference_service.model.shard import Shard
 from shared.errors import InvalidArgument
 from shared.model_config import ModelConfig
+from tests.conftest import build_peft_adapter
 from tests.fp32_agreement import assert_fp32_agrees
 from tests.inference_service.model.test_moe_reference import ROWS as MOE_ROWS
 from tests.inference_service.model.test_moe_reference import PerAdapterPeft, build_moe_model
 from tests.inference_service.model.test_peft_reference import DECODE_STEPS, ROWS, Peft, _runner
 from tests.tensor_parallel import run_ranks
 
+WIDE = dict(r=40, lora_alpha=80, target_modules="all-linear")
 
-def _rank_logits(parallel, model_dir, adapter_dirs, sequences, adapters, steps) -> list[torch.Tensor]:
+
+def _largest_rank(folder) -> int:
+    """The largest rank an adapter folder's config names."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    return max([config["r"], *config.get("rank_pattern", {}).values()])
+
+
+def _rank_logits(
+    parallel, model_dir, adapter_dirs, sequences, adapters, steps, kernels
+) -> list[torch.Tensor]:
     """On one rank: the prefill of `sequences` (every logit), then a decode step per list of
-    `steps` (each sequence's next token); every step's logits."""
-    runner, slots, _ = _runner(model_dir, adapter_dirs, parallel=parallel)
+    `steps` (each sequence's next token); every step's logits. kernels: the Triton kernels' path
+    (in the interpreter here)."""
+    largest = max(_largest_rank(folder) for folder in adapter_dirs.values())
+    runner, slots, _ = _runner(model_dir, adapter_dirs, parallel=parallel, max_lora_rank=max(16, largest))
     blocks = BlockManager(runner.num_blocks)
     block_size = runner.config.block_size
     tables = [blocks.allocate(-(-(len(s) + len(steps)) // block_size)) for s in sequences]
     slot_of = [-1 if a is None else slots[a] for a in adapters]
     batch = [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)]
-    logits = [runner.forward(batch, all_logits=True)]
+    logits = [runner.forward(batch, all_logits=True, kernels=kernels)]
     lengths = [len(s) for s in sequences]
     for step, tokens in enumerate(steps):
         decode = [
             SequenceInput([tok], n + step, t, slot)
             for tok, n, t, slot in zip(tokens, lengths, tables, slot_of, strict=True)
         ]
-        logits.append(runner.forward(decode))
+        logits.append(runner.forward(decode, kernels=kernels))
     return logits
 
 
-def _assert_ranks_agree(size: int, model_dir, adapter_dirs, reference, rows, decode_steps: int, seed: int):
+def _assert_ranks_agree(
+    size: int,
+    model_dir,
+    adapter_dirs,
+    reference,
+    rows,
+    decode_steps: int,
+    seed: int,
+    fully_sharded: bool = False,
+    kernels: bool = False,
+):
     """The prefill of one random prompt per row (adapter name or None, length), then
     `decode_steps` greedy steps on the reference's tokens, on `size` ranks: every step's logits
     as close to the reference's float64 forward as its fp32 forward is, greedy tokens equal."""
@@ -54,7 +79,17 @@ def _assert_ranks_agree(size: int, model_dir, adapter_dirs, reference, rows, dec
         grown = [[*s, tok] for s, tok in zip(grown, steps[-1], strict=True)]
         expected.append(reference.logits(grown, adapters))
 
-    got = run_ranks(size, _rank_logits, model_dir, adapter_dirs, sequences, adapters, steps)
+    got = run_ranks(
+        size,
+        _rank_logits,
+        model_dir,
+        adapter_dirs,
+        sequences,
+        adapters,
+        steps,
+        kernels,
+        fully_sharded=fully_sharded,
+    )
 
     (fp32, fp64), *decoded = expected
     assert_fp32_agrees(got[0], torch.cat(fp32), torch.cat(fp64))
@@ -81,13 +116,20 @@ def moe_models(tmp_path_factory) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize(("model_type", "size"), [("qwen3_moe", 2), ("qwen3_moe", 4), ("qwen2_moe", 2)])
-def test_ranks_split_every_expert_and_give_pefts_logits(model_type, size, moe_models):
+@pytest.mark.parametrize(
+    ("model_type", "size", "fully_sharded"),
+    [("qwen3_moe", 2, False), ("qwen3_moe", 4, False), ("qwen2_moe", 2, False), ("qwen2_moe", 2, True)],
+    ids=["qwen3_moe-2", "qwen3_moe-4", "qwen2_moe-2", "qwen2_moe-2-fully-sharded"],
+)
+def test_ranks_split_every_expert_and_give_pefts_logits(model_type, size, fully_sharded, moe_models):
     """Each rank holds its part of every expert's intermediate dimension (and of Qwen2-MoE's
-    shared expert), the router whole; adapters on attention, router and experts."""
+    shared expert), the router whole; adapters on attention, router and experts, split with
+    their layers or fully sharded (the experts' and the shared expert's LoRA too)."""
     model_dir, adapter_dirs = moe_models[model_type]
     reference = PerAdapterPeft(model_dir, adapter_dirs)
-    _assert_ranks_agree(size, model_dir, adapter_dirs, reference, MOE_ROWS, 4, seed=2)
+    _assert_ranks_agree(
+        size, model_dir, adapter_dirs, reference, MOE_ROWS, 4, seed=2, fully_sharded=fully_sharded
+    )
 
 
 def test_a_model_the_ranks_cannot_split_is_refused_naming_both_numbers(tiny_models):
@@ -100,3 +142,34 @@ def test_a_model_the_ranks_cannot_split_is_refused_naming_both_numbers(tiny_mode
         InvalidArgument, match="tensor_parallel_size 8 does not divide the model's 4 attention"
     ):
         Shard(0, 8).config(cfg)
+
+
+@pytest.fixture(scope="module")
+def wide_adapters(tiny_models, tiny_adapters, tmp_path_factory) -> dict[str, dict]:
+    """The tiny adapters plus one of rank 40 on every module: split over 2 ranks, each holds 20
+    of its rank rows, in 3 pages (the gathered shrinks are read page after page)."""
+    root = tmp_path_factory.mktemp("wide")
+    return {
+        model_type: tiny_adapters[model_type]
+        | {"wide40": build_peft_adapter(tiny_models[model_type], root / model_type, 9, **WIDE)}
+        for model_type in ("llama", "qwen2")
+    }
+
+
+@pytest.mark.parametrize(
+    ("model_type", "size", "kernels"),
+    [("llama", 2, False), ("llama", 4, False), ("qwen2", 2, False), ("llama", 2, True)],
+    ids=["llama-2", "llama-4", "qwen2-2", "llama-2-triton"],
+)
+def test_fully_sharded_adapters_give_pefts_logits_and_greedy_tokens(
+    model_type, size, kernels, tiny_models, wide_adapters
+):
+    """S-LoRA's split: a column layer's A by rank rows, its shrinks gathered; a row layer's A and
+    B both split, its shrinks summed. On the torch path and the Triton kernels' path."""
+    model_dir, adapter_dirs = tiny_models[model_type], wide_adapters[model_type]
+    reference = Peft(model_dir, adapter_dirs)
+    steps = 2 if kernels else DECODE_STEPS
+    rows = [*ROWS, ("wide40", 6)]
+    _assert_ranks_agree(
+        size, model_dir, adapter_dirs, reference, rows, steps, 5, fully_sharded=True, kernels=kernels
+    )

@@ -32,3 +32,14 @@ def test_metrics_are_off_unless_given_a_host_and_port():
     assert parse_config(["--model", "m", "--metrics-listen", "[::]:9400"]).metrics_listen == "[::]:9400"
     with pytest.raises(InvalidArgument, match="metrics address ':9400' is not HOST:PORT"):
         parse_config(["--model", "m", "--metrics-listen", ":9400"])
+
+
+def test_tensor_parallelism_is_off_unless_asked_and_its_size_must_be_positive():
+    engine = parse_config(["--model", "m"]).engine
+    assert (engine.tensor_parallel_size, engine.fully_sharded_loras) == (1, False)
+    engine = parse_config(["--model", "m", "--tensor-parallel-size", "3", "--fully-sharded-loras"]).engine
+    assert (engine.tensor_parallel_size, engine.fully_sharded_loras) == (3, True)
+    with pytest.raises(InvalidArgument, match="tensor_parallel_size must be at least 1, got 0"):
+        parse_config(["--model", "m", "--tensor-parallel-size", "0"])
+    with pytest.raises(InvalidArgument, match="tensor-parallel ranks run on cuda:0, cuda:1"):
+        parse_config(["--model", "m", "--tensor-parallel-size", "2", "--device", "cuda:1"])
