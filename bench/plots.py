@@ -161,6 +161,15 @@ def moe(result: dict, path: Path) -> None:
     save(fig, path)
 
 
+def tensor_parallel(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(7.2, 3.6))
+    ax = fig.add_subplot()
+    ratios = {name.replace(", ", ",\n"): values for name, values in result["ratios"].items()}
+    bars_with_rounds(ax, ratios, "tok/s, ratio to 1 rank, 1 thread", "tensor parallelism on 2 CPU cores")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    save(fig, path)
+
+
 def hf_peft(result: dict, path: Path) -> None:
     values = result["values"]
     fig = Figure(figsize=(6.4, 3.6))

@@ -29,6 +29,7 @@ from bench import (
     scaling,
     slot_activation,
     store_register,
+    tensor_parallel,
 )
 from bench.cache import default_model_dir
 from bench.record import measure, write_record
@@ -94,6 +95,9 @@ BENCHMARKS = (
     Benchmark("prefix_cache", "Prefix cache", prefix_cache.prefix_cache, plots.prefix_cache, 3),
     Benchmark("quantized", "Quantized base weights", quantized.quantized, plots.quantized, 3),
     Benchmark("moe", "Mixture of experts", moe.moe, plots.moe, 3),
+    Benchmark(
+        "tensor_parallel", "Tensor parallelism", tensor_parallel.tensor_parallel, plots.tensor_parallel, 3
+    ),
 )
 
 
