@@ -13,6 +13,7 @@ changes it along with the calling thread's own setting; single_threaded and para
 was.
 """
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,13 @@ def parallel(threads: int) -> None:
     default was when the thread began (another thread may be in single_threaded)."""
     torch.get_num_threads()  # torch sets this thread up first, from the process default
     torch.set_num_threads(threads)
+
+
+def per_rank(ranks: int) -> int:
+    """Threads each of `ranks` tensor-parallel processes on this machine runs its ops over: the
+    CPUs shared evenly. Each process's OpenMP team spins at its barriers, unaware of the others:
+    more threads than CPUs in all and every rank waits on the others' spinning."""
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def in_passing_thread(fn: Callable[..., T], *args) -> T:

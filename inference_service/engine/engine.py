@@ -40,7 +40,7 @@ from inference_service.engine.sequence import Sequence, Status
 from inference_service.engine.snapshot import AdapterState, Snapshot
 from inference_service.engine.streams import Streams
 from inference_service.engine.tokenizer import Tokenizer
-from inference_service.torch_threads import in_passing_thread
+from inference_service.torch_threads import in_passing_thread, per_rank
 from shared.errors import FailedPrecondition, LoramuxError, NotFound, Unavailable, brief
 from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
@@ -73,7 +73,12 @@ class Engine:
         self.metrics = EngineMetrics()
         self._inbox = Inbox(self._wakeup)
         self._publish()
-        self._thread = EngineThread(self.step, lambda: self.has_work, self._wakeup, config.step_timeout_s)
+        # Ranks on the CPU share its cores: rank 0's steps take its share, as the others do.
+        split = config.tensor_parallel_size > 1 and self.runner.device.type == "cpu"
+        threads = per_rank(config.tensor_parallel_size) if split else None
+        self._thread = EngineThread(
+            self.step, lambda: self.has_work, self._wakeup, config.step_timeout_s, threads
+        )
         self._thread.on_fatal(self.streams.close_all)
         self._thread.on_fatal(lambda _: self.runner.abort())
 

@@ -22,10 +22,12 @@ class EngineThread:
         has_work: Callable[[], bool],
         wakeup: threading.Event,
         step_timeout_s: float,
+        torch_threads: int | None = None,
     ):
         self._step, self._has_work, self._wakeup = step, has_work, wakeup
         self._step_timeout_s = step_timeout_s
-        self._torch_threads = torch.get_num_threads()  # the builder's: steps run as they would there
+        # by default the builder's: steps run as they would there
+        self._torch_threads = torch_threads or torch.get_num_threads()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_started: float | None = None  # monotonic time the step in progress began

@@ -23,6 +23,7 @@ from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import SequenceInput
 from inference_service.model.shard import Shard
+from inference_service.torch_threads import per_rank
 from shared import adapter_blob
 from shared.errors import brief
 
@@ -75,7 +76,7 @@ def main() -> None:
     threading.Thread(target=_exit_with_rank_0, name="rank-0-pipe", daemon=True).start()
     config = EngineConfig(**json.loads(args.config))
     size = config.tensor_parallel_size
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(per_rank(size))
     if config.device == "cuda":
         torch.cuda.set_device(args.rank)
     try:
