@@ -39,8 +39,11 @@ class Int8Weight(nn.Module):
         self.register_buffer("q", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.zeros(out_features, dtype=torch.float32, device=device))
 
-    def load_rows(self, offset: int, rows: torch.Tensor) -> None:
-        self.load_quantized(offset, *quantize_int8_rows(rows.to(self.q.device)))
+    def load_rows(self, offset: int, rows: torch.Tensor, columns: tuple[int, int] | None = None) -> None:
+        """Whole rows, quantized with a scale each; under tensor parallelism a row-parallel rank
+        keeps `columns` of them (its scales still those of the whole rows, as one device's)."""
+        q, scale = quantize_int8_rows(rows.to(self.q.device))
+        self.load_quantized(offset, q if columns is None else q[:, columns[0] : columns[1]], scale)
 
     def load_quantized(self, offset: int, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Rows from offset on, already int8: q [rows, in], scale [rows] fp32."""

@@ -13,7 +13,6 @@ from inference_service.model.lora_linear import LoRALinear, LoraSplit
 from inference_service.model.moe import SparseMoe
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from inference_service.model.shard import Shard
-from shared.errors import InvalidArgument
 from shared.model_config import ModelConfig
 
 
@@ -212,10 +211,7 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.parallel = parallel = parallel or Collectives()
-        if parallel.size > 1 and quantization != "none":
-            raise InvalidArgument(
-                f"tensor parallelism over a {quantization} base is not built yet: serve it on one device"
-            )
+        parallel.shard.check_quantized(cfg, quantization)
         self.cfg, self.rank_cfg = cfg, parallel.shard.config(cfg)
         self.register_buffer(
             "lora_pool",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from kernels.nf4_linear import BLOCK as NF4_BLOCK
 from shared.errors import InvalidArgument
 from shared.model_config import COLUMN_PARALLEL, ROW_PARALLEL, ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
@@ -67,6 +68,29 @@ class Shard:
                 f"{cfg.model_type} normalizes all of k at once: its {kv} KV heads cannot be replicated "
                 f"over {n} ranks"
             )
+
+    def check_quantized(self, cfg: ModelConfig, quantization: str) -> None:
+        """Refuse an NF4 base whose parts would split a block of 64 values (NF4's blocks run over
+        a weight's rows, flattened), naming the layer: every rank's part must be whole blocks."""
+        if self.size == 1 or quantization != "nf4":
+            return
+        for target, shape in cfg.linear_shapes().items():
+            for rank in range(self.size):
+                part = Shard(rank, self.size)
+                if target in ROW:
+                    start, stop = part.in_part(cfg, target)
+                    ends, width = (start, stop, shape.in_features), "columns"
+                elif target in COLUMN:
+                    start, stop = part.out_part(cfg, target)
+                    ends, width = (start * shape.in_features, stop * shape.in_features), "rows"
+                else:
+                    continue
+                if any(end % NF4_BLOCK for end in ends):
+                    raise InvalidArgument(
+                        f"an NF4 base over {self.size} tensor-parallel ranks: rank {rank}'s {width} "
+                        f"{start}..{stop} of {target} ({shape.out_features} x {shape.in_features}) would "
+                        f"split a block of {NF4_BLOCK} values; serve it on fewer ranks, or in int8"
+                    )
 
     def config(self, cfg: ModelConfig) -> ModelConfig:
         """The model as this rank holds it: its heads, its part of every intermediate dimension

@@ -2,55 +2,29 @@
 q/k/v and gate/up into their fused matmuls. Dense weights, and weights transformers saved
 pre-quantized: bitsandbytes NF4 and torchao int8 (their parts may sit in different shards)."""
 
-import json
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from inference_service.model.base_weight import Int8Weight, Nf4Weight
+from inference_service.model.base_weight import Int8Weight
+from inference_service.model.checkpoint import Checkpoint, Part, Rows, Target, checkpoint_files
 from inference_service.model.model import LlamaModel
+from inference_service.model.quantized_weights import (
+    INT8_DATA,
+    INT8_PARTS,
+    NF4_PARTS,
+    NF4_STATE,
+    load_int8,
+    load_nf4,
+)
 from inference_service.model.shard import ROW, Shard
-from kernels.nf4_linear import BLOCK, dequantize_nested_absmax, nf4_code
 from shared.errors import InvalidArgument
 from shared.model_config import MODULE_PARENTS, ModelConfig, peft_path
 
 # Tensors some checkpoints carry that the runtime recomputes or does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# What transformers saves beside a bitsandbytes 4-bit weight "X.weight" (itself the packed codes).
-NF4_STATE = ".quant_state.bitsandbytes__nf4"
-NF4_PARTS = (NF4_STATE, ".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
-# What transformers saves for a torchao Int8Tensor weight "X.weight": "X._weight_qdata" and these.
-INT8_DATA = "._weight_qdata"
-INT8_PARTS = ("._weight_scale", "._weight_zero_point")
-
-
-class Checkpoint:
-    """Every tensor of a checkpoint's files, by name, read lazily."""
-
-    def __init__(self, files: list[Path], stack: ExitStack):
-        self.file_of: dict[str, Path] = {}
-        self._handles = {}
-        for path in files:
-            handle = stack.enter_context(safe_open(path, framework="pt"))
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
-                self.file_of[name] = path
-                self._handles[name] = handle
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._handles
-
-    def get(self, name: str, part: "Part | None" = None) -> torch.Tensor:
-        """The tensor, or only the part of it this rank loads (read alone from the file)."""
-        if name not in self._handles:
-            raise InvalidArgument(f"checkpoint lacks tensor {name}")
-        if part is None:
-            return self._handles[name].get_tensor(name)
-        whole = self._handles[name].get_slice(name)
-        return whole[(slice(None),) * part.dim + (slice(part.start, part.stop),)]
 
 
 def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
@@ -60,7 +34,7 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
     stored = model.cfg.checkpoint_quantization
     loaded: set[str] = set()
     with ExitStack() as stack:
-        checkpoint = Checkpoint(_checkpoint_files(Path(model_dir)), stack)
+        checkpoint = Checkpoint(checkpoint_files(Path(model_dir)), stack)
         for name in sorted(checkpoint.file_of):
             if name.endswith(IGNORED_SUFFIXES + NF4_PARTS + INT8_PARTS) or (
                 name == "lm_head.weight" and model.cfg.tie_word_embeddings
@@ -74,14 +48,18 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
             if target.dst is None:
                 pass  # nothing of it on this rank: a row-parallel layer's bias, added by rank 0 alone
             elif name.endswith(INT8_DATA):
-                _load_int8(checkpoint, name.removesuffix(INT8_DATA), target.dst)
+                load_int8(checkpoint, name.removesuffix(INT8_DATA), target)
             elif name + NF4_STATE in checkpoint:
-                _load_nf4(checkpoint, name, target.dst)
+                load_nf4(checkpoint, name, target)
             elif isinstance(target.dst, Rows) and stored != "none":
                 raise InvalidArgument(
                     f"tensor {name} is dense in a checkpoint quantized to {stored}: loramux "
                     "holds every linear layer of a pre-quantized model quantized (no modules_to_not_convert)"
                 )
+            elif _whole_rows(target):  # int8 scales span a whole row: quantized whole, then cut
+                whole = checkpoint.get(name)
+                _check_shape(whole[:, target.part.start : target.part.stop], target.dst.shape, name)
+                target.dst.base.load_rows(target.dst.offset, whole, (target.part.start, target.part.stop))
             else:
                 _copy(target.dst, checkpoint.get(name, target.part), name)
             loaded.add(weight)
@@ -90,54 +68,11 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
         raise InvalidArgument(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[0]}")
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise InvalidArgument(
-        f"model folder {model_dir} has neither model.safetensors nor model.safetensors.index.json"
-    )
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Rows offset .. offset + shape[0] of a fused linear layer's base weight, in its format."""
-
-    base: nn.Module
-    offset: int
-    shape: tuple[int, int]
-
-    def copy_(self, src: torch.Tensor) -> None:
-        self.base.load_rows(self.offset, src)
-
-
-@dataclass(frozen=True)
-class Part:
-    """The part of a checkpoint tensor one rank loads: indices [start, stop) along `dim`."""
-
-    dim: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a checkpoint tensor loads: all of it (part None) or its `part`; dst None: nothing of
-    it on this rank."""
-
-    dst: torch.Tensor | Rows | None
-    part: Part | None = None
-
-
 def _targets(model: LlamaModel) -> dict[str, Target]:
     """HF tensor name -> the tensor (or rows of a fused base weight) it loads into."""
     cfg, shard = model.cfg, model.parallel.shard
     start, stop = shard.vocab(cfg.vocab_size)
-    vocab = Part(0, start, min(stop, cfg.vocab_size))
+    vocab = Part(0, start, min(stop, cfg.vocab_size), cfg.vocab_size)
     rows = vocab.stop - vocab.start  # the last rank's padding rows stay zero
     targets = {
         "model.embed_tokens.weight": Target(model.embed_tokens.weight[:rows], vocab),
@@ -151,7 +86,11 @@ def _targets(model: LlamaModel) -> dict[str, Target]:
         targets[f"{prefix}.post_attention_layernorm.weight"] = Target(layer.post_attention_layernorm.weight)
         if cfg.qk_norm != "none":
             attn, full = layer.self_attn, cfg.qk_norm == "full"  # a full norm is split as q and k are
-            q, k = (Part(0, *shard.out_part(cfg, t)) if full else None for t in ("q_proj", "k_proj"))
+            shapes = cfg.linear_shapes()
+            q, k = (
+                Part(0, *shard.out_part(cfg, t), shapes[t].out_features) if full else None
+                for t in ("q_proj", "k_proj")
+            )
             targets[f"{prefix}.self_attn.q_norm.weight"] = Target(attn.q_norm.weight, q)
             targets[f"{prefix}.self_attn.k_norm.weight"] = Target(attn.k_norm.weight, k)
         if cfg.moe:
@@ -173,10 +112,13 @@ def _linear_targets(
     rows = Rows(packed.base, offset, (size, packed.in_features))
     split = shard.size > 1
     if target in ROW:
-        weight = Target(rows, Part(1, *shard.in_part(cfg, target)) if split else None)
+        whole = cfg.linear_shapes()[target].in_features
+        weight = Target(rows, Part(1, *shard.in_part(cfg, target), whole) if split else None)
         bias = Target(packed.bias)  # None off rank 0: the ranks' sum takes it once
     else:
-        part = Part(0, *shard.out_part(cfg, target)) if split else None
+        part = (
+            Part(0, *shard.out_part(cfg, target), cfg.linear_shapes()[target].out_features) if split else None
+        )
         weight = Target(rows, part)
         bias = Target(None if packed.bias is None else packed.bias[offset : offset + size], part)
     return {f"{base}.weight": weight} | ({f"{base}.bias": bias} if _has_bias(cfg, target) else {})
@@ -200,10 +142,10 @@ def _expert_targets(cfg: ModelConfig, shard: Shard, prefix: str, moe: nn.Module)
     a time, into the stacked w13 [experts, 2 * inter, hidden] and w2 [experts, hidden, inter]:
     this rank's part of each expert's intermediate dimension (and of the shared expert's)."""
     folder, gate, up, down = EXPERT_NAMES.get(cfg.model_type, DEFAULT_EXPERT_NAMES)
-    inter, hidden = moe.w2.shape[2], cfg.hidden_size  # this rank's part of each expert's
+    inter, hidden, whole = moe.w2.shape[2], cfg.hidden_size, cfg.moe.intermediate_size  # inter: this rank's
     split = shard.size > 1
-    rows = Part(0, *shard.even(cfg.moe.intermediate_size)) if split else None
-    columns = Part(1, *shard.even(cfg.moe.intermediate_size)) if split else None
+    rows = Part(0, *shard.even(whole), whole) if split else None
+    columns = Part(1, *shard.even(whole), whole) if split else None
     targets = {
         f"{prefix}.{folder}.gate.weight": Target(Rows(moe.router.base, 0, (cfg.moe.num_experts, hidden)))
     }
@@ -225,60 +167,18 @@ def _expert_targets(cfg: ModelConfig, shard: Shard, prefix: str, moe: nn.Module)
 
 
 def _copy(dst: torch.Tensor | Rows, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise InvalidArgument(
-            f"tensor {name} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}"
-        )
+    _check_shape(src, dst.shape, name)
     with torch.no_grad():
         dst.copy_(src)
 
 
-def _quantized_target(target, name: str, kind: str, layer_type: type) -> Rows:
-    if not isinstance(target, Rows) or not isinstance(target.base, layer_type):
-        raise InvalidArgument(f"tensor {name} is {kind}, but its layer is not held in {kind}")
-    return target
+def _check_shape(src: torch.Tensor, shape, name: str) -> None:
+    if tuple(shape) != tuple(src.shape):
+        raise InvalidArgument(f"tensor {name} has shape {tuple(src.shape)}, the model expects {tuple(shape)}")
 
 
-def _load_nf4(checkpoint: Checkpoint, name: str, target) -> None:
-    """A bitsandbytes NF4 weight as transformers saves it: the packed codes, the quant state (JSON
-    in a uint8 tensor), the 16-value map and the absmax, double-quantized or not."""
-    target = _quantized_target(target, name, "NF4", Nf4Weight)
-    state = json.loads(bytes(checkpoint.get(name + NF4_STATE).tolist()))
-    rows, columns = target.shape
-    expected = {"quant_type": "nf4", "blocksize": BLOCK, "shape": [rows, columns]}
-    found = {key: state.get(key) for key in expected}
-    if found != expected:
-        raise InvalidArgument(f"tensor {name}: quant state {found}, the model expects {expected}")
-    if not torch.equal(checkpoint.get(name + ".quant_map").float(), nf4_code()):
-        raise InvalidArgument(f"tensor {name}.quant_map is not the NF4 code")
-    absmax = checkpoint.get(name + ".absmax")
-    if "nested_blocksize" in state:
-        nested = (checkpoint.get(name + ".nested_absmax"), checkpoint.get(name + ".nested_quant_map"))
-        absmax = dequantize_nested_absmax(absmax, *nested, state["nested_offset"], state["nested_blocksize"])
-    packed = checkpoint.get(name).flatten()
-    if (packed.numel(), absmax.numel()) != (rows * columns // 2, rows * columns // BLOCK):
-        raise InvalidArgument(
-            f"tensor {name}: {packed.numel()} bytes and {absmax.numel()} absmax for {rows}x{columns}"
-        )
-    target.base.load_quantized(target.offset, packed, absmax.float())
-
-
-def _load_int8(checkpoint: Checkpoint, module: str, target) -> None:
-    """A torchao Int8Tensor as transformers saves it: int8 codes [out, in], a scale [out, 1] and a
-    zero point [out, 1] that symmetric per-row quantization leaves at zero."""
-    name = module + INT8_DATA
-    target = _quantized_target(target, name, "int8", Int8Weight)
-    rows, columns = target.shape
-    q, scale = checkpoint.get(name), checkpoint.get(module + "._weight_scale")
-    if q.dtype != torch.int8 or tuple(q.shape) != (rows, columns):
-        raise InvalidArgument(
-            f"tensor {name} is {q.dtype} {tuple(q.shape)}, the model expects torch.int8 {(rows, columns)}"
-        )
-    if scale.numel() != rows:
-        raise InvalidArgument(
-            f"tensor {module}._weight_scale has {scale.numel()} scales, not one per row ({rows})"
-        )
-    zero_point = module + "._weight_zero_point"
-    if zero_point in checkpoint and checkpoint.get(zero_point).any():
-        raise InvalidArgument(f"tensor {zero_point} is not zero: only symmetric int8 is supported")
-    target.base.load_quantized(target.offset, q, scale.flatten().float())
+def _whole_rows(target: Target) -> bool:
+    """Whether a dense weight must be read whole to load this rank's columns of it: int8's
+    per-row scale is over the whole row."""
+    dst, part = target.dst, target.part
+    return isinstance(dst, Rows) and isinstance(dst.base, Int8Weight) and part is not None and part.dim == 1

@@ -9,17 +9,29 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from inference_service.engine.block_manager import BlockManager
 from inference_service.model.forward_batch import SequenceInput
 from inference_service.model.shard import Shard
 from shared.errors import InvalidArgument
 from shared.model_config import ModelConfig
-from tests.conftest import build_peft_adapter
+from tests.conftest import TINY_ADAPTERS, build_peft_adapter, build_tiny_model
 from tests.fp32_agreement import assert_fp32_agrees
 from tests.inference_service.model.test_moe_reference import ROWS as MOE_ROWS
 from tests.inference_service.model.test_moe_reference import PerAdapterPeft, build_moe_model
-from tests.inference_service.model.test_peft_reference import DECODE_STEPS, ROWS, Peft, _runner
+from tests.inference_service.model.test_peft_reference import (
+    DECODE_STEPS,
+    ROWS,
+    Peft,
+    _runner,
+    _with_adapters,
+)
+from tests.inference_service.model.test_quantized_reference import (
+    _dequantized_weight,
+    _quantized_peft,
+    _saved,
+)
 from tests.tensor_parallel import run_ranks
 
 WIDE = dict(r=40, lora_alpha=80, target_modules="all-linear")
@@ -32,13 +44,13 @@ def _largest_rank(folder) -> int:
 
 
 def _rank_logits(
-    parallel, model_dir, adapter_dirs, sequences, adapters, steps, kernels
+    parallel, model_dir, adapter_dirs, sequences, adapters, steps, kernels, quantization
 ) -> list[torch.Tensor]:
     """On one rank: the prefill of `sequences` (every logit), then a decode step per list of
     `steps` (each sequence's next token); every step's logits. kernels: the Triton kernels' path
-    (in the interpreter here)."""
+    (in the interpreter here); quantization: the base's format."""
     largest = max(_largest_rank(folder) for folder in adapter_dirs.values())
-    runner, slots, _ = _runner(model_dir, adapter_dirs, parallel=parallel, max_lora_rank=max(16, largest))
+    runner, slots, _ = _runner(model_dir, adapter_dirs, quantization, parallel, max(16, largest))
     blocks = BlockManager(runner.num_blocks)
     block_size = runner.config.block_size
     tables = [blocks.allocate(-(-(len(s) + len(steps)) // block_size)) for s in sequences]
@@ -65,6 +77,7 @@ def _assert_ranks_agree(
     seed: int,
     fully_sharded: bool = False,
     kernels: bool = False,
+    quantization: str = "none",
 ):
     """The prefill of one random prompt per row (adapter name or None, length), then
     `decode_steps` greedy steps on the reference's tokens, on `size` ranks: every step's logits
@@ -79,17 +92,8 @@ def _assert_ranks_agree(
         grown = [[*s, tok] for s, tok in zip(grown, steps[-1], strict=True)]
         expected.append(reference.logits(grown, adapters))
 
-    got = run_ranks(
-        size,
-        _rank_logits,
-        model_dir,
-        adapter_dirs,
-        sequences,
-        adapters,
-        steps,
-        kernels,
-        fully_sharded=fully_sharded,
-    )
+    args = (model_dir, adapter_dirs, sequences, adapters, steps, kernels, quantization)
+    got = run_ranks(size, _rank_logits, *args, fully_sharded=fully_sharded)
 
     (fp32, fp64), *decoded = expected
     assert_fp32_agrees(got[0], torch.cat(fp32), torch.cat(fp64))
@@ -173,3 +177,71 @@ def test_fully_sharded_adapters_give_pefts_logits_and_greedy_tokens(
     _assert_ranks_agree(
         size, model_dir, adapter_dirs, reference, rows, steps, 5, fully_sharded=True, kernels=kernels
     )
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> tuple:
+    """A tiny Llama 128 wide (intermediate 256), whose halves are whole NF4 blocks of 64, and its
+    adapters."""
+    root = tmp_path_factory.mktemp("wide-llama")
+    folder = build_tiny_model(root / "llama", hidden_size=128, intermediate_size=256)
+    adapters = {
+        name: build_peft_adapter(folder, root / name, seed=i + 1, **lora)
+        for i, (name, lora) in enumerate(TINY_ADAPTERS.items())
+    }
+    return folder, adapters
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_ranks_over_a_quantized_base_give_pefts_logits_and_greedy_tokens(quantization, wide_model):
+    """Each rank quantizes its part as one device would: an int8 row-parallel layer's columns keep
+    the scales of their whole rows; an NF4 part is whole blocks. Against PEFT over torchao's and
+    bitsandbytes' layers."""
+    model_dir, adapter_dirs = wide_model
+    reference = _quantized_peft(model_dir, adapter_dirs, quantization)
+    _assert_ranks_agree(2, model_dir, adapter_dirs, reference, ROWS, 4, seed=6, quantization=quantization)
+
+
+@pytest.mark.parametrize("library", ["torchao", "bitsandbytes"])
+def test_ranks_load_their_parts_of_a_checkpoint_saved_pre_quantized(library, wide_model, tmp_path):
+    """int8 as torchao saves it (codes and a scale per row), NF4 as bitsandbytes saves it (codes,
+    double-quantized absmax): each rank cuts its rows or columns from the saved parts."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import BitsAndBytesConfig, TorchAoConfig
+
+    model_dir, adapter_dirs = wide_model
+    config = (
+        TorchAoConfig(Int8WeightOnlyConfig(set_inductor_config=False))
+        if library == "torchao"
+        else BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+    )  # fmt: skip
+    folder, quantized = _saved(model_dir, config, tmp_path)
+    reference = _saved_reference(model_dir, folder, quantized, adapter_dirs)
+    _assert_ranks_agree(2, folder, adapter_dirs, reference, ROWS, 2, seed=7)
+
+
+def _saved_reference(model_dir, folder, quantized, adapter_dirs) -> Peft:
+    """PEFT over the library's in-memory quantized model, and over the weights it computes with
+    in float64."""
+    from transformers import AutoModelForCausalLM
+
+    for module in quantized.modules():  # bitsandbytes' fused AVX-512 bf16 path differs by ~3e-3
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    fp64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).double()
+    layers = dict(quantized.named_modules())
+    for name, module in fp64.named_modules():
+        weight = _dequantized_weight(layers[name]) if name in layers else None
+        if isinstance(module, nn.Linear) and weight is not None:
+            module.weight.data = weight
+    return Peft(folder, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in (quantized, fp64)])
+
+
+def test_an_nf4_base_the_ranks_would_split_mid_block_is_refused_naming_the_layer(tiny_models):
+    cfg = ModelConfig.from_dir(tiny_models["llama"])  # hidden 64: o_proj's halves are 32 columns
+    with pytest.raises(InvalidArgument, match=r"rank 0's columns 0..32 of o_proj \(64 x 64\) would split"):
+        Shard(0, 2).check_quantized(cfg, "nf4")
+    Shard(0, 2).check_quantized(cfg, "int8")  # int8 splits anywhere
