@@ -176,3 +176,31 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_two_gpus_give_one_gpus_tokens(tiny_models, tiny_adapters):
+    """The NCCL path: rank r on cuda:r, the model's exchanges over NCCL, the commands over gloo;
+    adapters split with their layers and fully sharded, on the Triton kernels' path."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    requests = [
+        Request([5 + i, 6, 7, 8 + i], adapter, GREEDY, f"r{i}")
+        for i, adapter in enumerate([None, "all8", "qv4", "mlp16rs", "re2", "pattern"])
+    ]
+    tokens = {}
+    for size, fully_sharded in ((1, False), (2, False), (2, True)):
+        engine = _engine(
+            tiny_models,
+            tiny_adapters,
+            device="cuda",
+            tensor_parallel_size=size,
+            fully_sharded_loras=fully_sharded,
+        )
+        try:
+            tokens[size, fully_sharded] = [out.token_ids for out in engine.generate(requests)]
+        finally:
+            engine.stop()
+    assert tokens[2, False] == tokens[1, False] == tokens[2, True]
