@@ -9,8 +9,8 @@ from inference_service.model.attention import attend
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
-from inference_service.model.lora_linear import LoRALinear, LoraSplit
 from inference_service.model.moe import SparseMoe
+from inference_service.model.placement import Placement
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from inference_service.model.shard import Shard
 from shared.model_config import ModelConfig
@@ -65,43 +65,26 @@ class VocabEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layer: int,
-        pool: torch.Tensor,
-        unit: int,
-        dtype,
-        device,
-        quantization,
-        parallel: Collectives,
-    ):
-        """cfg: the model as this rank holds it (Shard.config)."""
+    def __init__(self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, place: Placement):
+        """cfg: the model as this rank holds it (Shard.config); pool: the layer's adapter memory."""
         super().__init__()
-        self.layer, self.cfg, self.parallel = layer, cfg, parallel
+        self.layer, self.cfg, self.parallel = layer, cfg, place.parallel
         kv = cfg.kv_size
-        self.qkv_proj = LoRALinear(
-            cfg.hidden_size,
-            (cfg.q_size, kv, kv),
-            cfg.qkv_bias,
+        qkv_memory, o_memory = (
             (pool, unit, cfg.first_target("qkv_proj")),
-            dtype,
-            device,
-            quantization,
-            LoraSplit.of(parallel, "column"),
+            (pool, unit, cfg.first_target("o_proj")),
         )
-        o_memory = (pool, unit, cfg.first_target("o_proj"))
-        o_bias = cfg.o_bias and parallel.shard.rank == 0  # row-parallel: added once to the sum
-        o_split = LoraSplit.of(parallel, "row")
-        self.o_proj = LoRALinear(
-            cfg.q_size, (cfg.hidden_size,), o_bias, o_memory, dtype, device, quantization, o_split
+        self.qkv_proj = place.linear(
+            cfg.hidden_size, (cfg.q_size, kv, kv), cfg.qkv_bias, qkv_memory, "column"
         )
+        o_bias = cfg.o_bias and place.parallel.shard.rank == 0  # row-parallel: added once to the sum
+        self.o_proj = place.linear(cfg.q_size, (cfg.hidden_size,), o_bias, o_memory, "row")
         if cfg.qk_norm == "head":  # over each head (Qwen3)
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, place.dtype, place.device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, place.dtype, place.device)
         elif cfg.qk_norm == "full":  # over all of q and of k (OLMoE)
-            self.q_norm = _full_norm(cfg.q_size, cfg.rms_norm_eps, dtype, device, parallel)
-            self.k_norm = _full_norm(cfg.kv_size, cfg.rms_norm_eps, dtype, device, parallel)
+            self.q_norm = _full_norm(cfg.q_size, cfg.rms_norm_eps, place)
+            self.k_norm = _full_norm(cfg.kv_size, cfg.rms_norm_eps, place)
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
@@ -119,44 +102,27 @@ class Attention(nn.Module):
         return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, cfg.q_size), batch.lora))
 
 
-def _full_norm(size: int, eps: float, dtype, device, parallel: Collectives) -> RMSNorm:
+def _full_norm(size: int, eps: float, place: Placement) -> RMSNorm:
     """An RMSNorm over all of q (or k), this rank's `size` of it: split across the ranks under
     tensor parallelism (KV heads are never replicated then: Shard.check)."""
+    parallel = place.parallel
     if parallel.size == 1:
-        return RMSNorm(size, eps, dtype, device)
-    return SplitRMSNorm(size, size * parallel.size, eps, dtype, device, parallel)
+        return RMSNorm(size, eps, place.dtype, place.device)
+    return SplitRMSNorm(size, size * parallel.size, eps, place.dtype, place.device, parallel)
 
 
 class MLP(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        pool: torch.Tensor,
-        unit: int,
-        dtype,
-        device,
-        quantization,
-        parallel: Collectives,
-    ):
+    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, place: Placement):
         super().__init__()
-        self.parallel = parallel
+        self.parallel = place.parallel
         inter = cfg.intermediate_size
-        self.gate_up_proj = LoRALinear(
-            cfg.hidden_size,
-            (inter, inter),
-            cfg.mlp_bias,
-            (pool, unit, cfg.first_target("gate_up_proj")),
-            dtype,
-            device,
-            quantization,
-            LoraSplit.of(parallel, "column"),
+        gate_up_memory = (pool, unit, cfg.first_target("gate_up_proj"))
+        self.gate_up_proj = place.linear(
+            cfg.hidden_size, (inter, inter), cfg.mlp_bias, gate_up_memory, "column"
         )
         down_memory = (pool, unit, cfg.first_target("down_proj"))
-        down_bias = cfg.mlp_bias and parallel.shard.rank == 0  # row-parallel: added once to the sum
-        down_split = LoraSplit.of(parallel, "row")
-        self.down_proj = LoRALinear(
-            inter, (cfg.hidden_size,), down_bias, down_memory, dtype, device, quantization, down_split
-        )
+        down_bias = cfg.mlp_bias and place.parallel.shard.rank == 0  # row-parallel: added once to the sum
+        self.down_proj = place.linear(inter, (cfg.hidden_size,), down_bias, down_memory, "row")
 
     def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)  # [tokens, inter] each
@@ -164,26 +130,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layer: int,
-        pool: torch.Tensor,
-        unit: int,
-        dtype,
-        device,
-        quantization,
-        parallel: Collectives,
-    ):
+    def __init__(self, cfg: ModelConfig, layer: int, pool: torch.Tensor, unit: int, place: Placement):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, layer, pool, unit, dtype, device, quantization, parallel)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = (
-            SparseMoe(cfg, pool, unit, dtype, device, parallel)
-            if cfg.moe
-            else MLP(cfg, pool, unit, dtype, device, quantization, parallel)
-        )
+        dtype, device, eps = place.dtype, place.device, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
+        self.self_attn = Attention(cfg, layer, pool, unit, place)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
+        self.mlp = SparseMoe(cfg, pool, unit, place) if cfg.moe else MLP(cfg, pool, unit, place)
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
@@ -219,11 +172,9 @@ class LlamaModel(nn.Module):
             persistent=False,
         )
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel, dtype, device)
+        place = Placement(dtype, device, quantization, parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(
-                self.rank_cfg, i, self.lora_pool[i], lora_unit, dtype, device, quantization, parallel
-            )
-            for i in range(cfg.num_layers)
+            DecoderLayer(self.rank_cfg, i, self.lora_pool[i], lora_unit, place) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
-from inference_service.model.lora_linear import LoRALinear, LoraSplit, add_lora
+from inference_service.model.lora_linear import LoraSplit, add_lora
+from inference_service.model.placement import Placement
 from kernels.lora_batch import LoraBatch, page_width
 from kernels.moe_gemm import ExpertPlan, combine, moe_gemm, moe_gemm_triton
 from shared.model_config import EXPERT_TARGETS, ModelConfig
@@ -25,47 +25,31 @@ class SparseMoe(nn.Module):
     every expert's intermediate dimension (and of the shared expert's), the router whole: its
     output is a partial sum, summed over the ranks once per layer."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        pool: torch.Tensor,
-        unit: int,
-        dtype,
-        device,
-        parallel: Collectives | None = None,
-    ):
+    def __init__(self, cfg: ModelConfig, pool: torch.Tensor, unit: int, place: Placement):
         super().__init__()
-        self.parallel = parallel or Collectives()
+        self.parallel = place.parallel
         self.moe = moe = cfg.moe
         hidden, experts, inter = cfg.hidden_size, moe.num_experts, moe.intermediate_size
-        self.router = LoRALinear(
-            hidden, (experts,), False, (pool, unit, cfg.first_target("router")), dtype, device
-        )
+        self.router = place.linear(hidden, (experts,), False, (pool, unit, cfg.first_target("router")))
 
         def weight(*shape):
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+            return nn.Parameter(
+                torch.empty(*shape, dtype=place.dtype, device=place.device), requires_grad=False
+            )
 
         self.w13 = weight(experts, 2 * inter, hidden)  # each expert's gate rows, then its up rows
         self.w2 = weight(experts, hidden, inter)
         shared = moe.shared_intermediate_size
         self.column, self.row = LoraSplit.of(self.parallel, "column"), LoraSplit.of(self.parallel, "row")
         if shared:  # Qwen2-MoE's shared expert, its output gated per token
-            self.shared_gate_up_proj = LoRALinear(
-                hidden,
-                (shared, shared),
-                False,
+            gate_up, down = (
                 (pool, unit, cfg.first_target("shared_gate_up_proj")),
-                dtype,
-                device,
-                split=self.column,
+                (pool, unit, cfg.first_target("shared_down_proj")),
             )
-            shared_down = (pool, unit, cfg.first_target("shared_down_proj"))
-            self.shared_down_proj = LoRALinear(
-                shared, (hidden,), False, shared_down, dtype, device, split=self.row
-            )
-            self.shared_expert_gate = LoRALinear(
-                hidden, (1,), False, (pool, unit, cfg.first_target("shared_expert_gate")), dtype, device
-            )
+            self.shared_gate_up_proj = place.linear(hidden, (shared, shared), False, gate_up, "column")
+            self.shared_down_proj = place.linear(shared, (hidden,), False, down, "row")
+            gate = (pool, unit, cfg.first_target("shared_expert_gate"))
+            self.shared_expert_gate = place.linear(hidden, (1,), False, gate)
         self.pool, self.unit = pool, unit
         self.gate_up_target, self.down_target = (
             cfg.first_target("gate_up_proj"),

@@ -74,10 +74,7 @@ def test_a_rank_killed_ends_its_streams_unavailable_and_the_worker_exits_leaving
     store,
     registered,  # noqa: F811
 ):
-    worker = WorkerProcess(
-        long_model, store.address, tmp_path / "cache", "--tensor-parallel-size", "2"
-    ).start()
-    (rank,) = _children(worker.process.pid)
+    worker, rank = _two_rank_worker(tmp_path, long_model, store)
     with grpc.insecure_channel(worker.address) as channel:
         stub = inference_grpc.InferenceServiceStub(channel)
         stream = stub.Generate(_request("all8", [5, 6], 3000, ignore_eos=True), timeout=60)
@@ -92,6 +89,14 @@ def test_a_rank_killed_ends_its_streams_unavailable_and_the_worker_exits_leaving
     assert not _children(worker.process.pid) and not Path(f"/proc/{rank}").exists()
 
 
+def _two_rank_worker(tmp_path, long_model, store) -> tuple[WorkerProcess, int]:
+    """A worker over 2 ranks, and the process id of its rank 1."""
+    flags = ("--tensor-parallel-size", "2")
+    worker = WorkerProcess(long_model, store.address, tmp_path / "cache", *flags).start()
+    (rank,) = _children(worker.process.pid)
+    return worker, rank
+
+
 def _children(pid: int) -> list[int]:
     return [
         int(p)
@@ -101,10 +106,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_sigterm_drains_the_streams_then_stops_every_rank(tmp_path, long_model, store):
-    worker = WorkerProcess(
-        long_model, store.address, tmp_path / "cache", "--tensor-parallel-size", "2"
-    ).start()
-    (rank,) = _children(worker.process.pid)
+    worker, rank = _two_rank_worker(tmp_path, long_model, store)
     with grpc.insecure_channel(worker.address) as channel:
         stub = inference_grpc.InferenceServiceStub(channel)
         stream = stub.Generate(_request(None, [5, 6], 400, ignore_eos=True), timeout=60)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.engine.adapter_memory import AdapterMemory, page_units, unit_elements
 from inference_service.model.moe import SparseMoe
+from inference_service.model.placement import Placement
 from kernels.lora_batch import AdapterPages, LoraBatch
 from shared.model_config import ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
@@ -75,7 +76,7 @@ def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer(
     unit, units = unit_elements(MODEL), sum(page_units(MODEL))  # room for one rank-8 adapter
     memory = AdapterMemory(units, page_units(MODEL))
     pool = torch.zeros(units * unit)  # the layer's adapter memory
-    layer = SparseMoe(MODEL, pool, unit, torch.float32, "cpu")
+    layer = SparseMoe(MODEL, pool, unit, Placement(torch.float32, "cpu"))
     for weight in (layer.router.base.weight, layer.w13, layer.w2):
         weight.copy_(torch.randn(weight.shape, generator=gen) * 0.2)
     adapter = _adapter(gen)
