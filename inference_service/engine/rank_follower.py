@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0 (rank_group.py starts it): its part of the model, then
-the commands rank 0 sends, each before rank 0's own model call, until "stop". It reports one line
-of JSON on stdout once built ({"ready": sizes}) or failed ({"error": why}), and exits when its
-stdin, a pipe from rank 0, ends.
+the commands rank 0 sends, each before rank 0's own model call. It reports one line of JSON on
+stdout once built ({"ready": sizes}) or failed ({"error": why}), and exits when its stdin, a pipe
+from rank 0, ends: when rank 0 stops it, or dies.
 
     python -m inference_service.engine.rank_follower --rank R --port P --config JSON
 """
@@ -36,12 +36,10 @@ class Follower:
         self._verified: set[str] = set()  # digests whose blob was hashed in this process
 
     def serve(self) -> None:
-        """Do rank 0's commands until it says stop."""
+        """Do rank 0's commands, for as long as this process lives."""
         while True:
             command = self.runner.parallel.broadcast_json()
             op = command["op"]
-            if op == "stop":
-                return
             if op == "forward":
                 seqs = [SequenceInput(*row) for row in command["seqs"]]
                 self.runner.forward(seqs, command["all_logits"], command["kernels"])
@@ -89,18 +87,18 @@ def main() -> None:
         sys.exit(1)
     print(json.dumps({"ready": runner.memory_report()}), file=report)
     try:
-        Follower(runner).serve()
+        Follower(runner).serve()  # until the pipe's thread ends the process
     except Exception:
         log.exception("a command failed; this rank stops, and rank 0's next collective fails")
+        logging.shutdown()
         os._exit(1)
-    parallel.close()
-    logging.shutdown()
-    os._exit(0)  # not the interpreter's shutdown: the pipe's thread is blocked reading
 
 
 def _exit_with_rank_0() -> None:
-    """Rank 0 holds the other end of stdin: when it ends, for whatever reason, so does this rank."""
+    """Rank 0 holds the other end of stdin: when it ends, for whatever reason, so does this rank
+    (at once: not the interpreter's shutdown, with the main thread inside a collective)."""
     sys.stdin.buffer.read()
+    logging.shutdown()
     os._exit(0)
 
 

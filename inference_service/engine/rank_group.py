@@ -3,8 +3,8 @@
 The engine's process is rank 0: gRPC, the scheduler, the host tier and sampling stay there. It
 starts ranks 1..N-1 itself, one process each (rank_follower.py), which run only the model: each
 builds its part of it (model/shard.py), then does what rank 0 sends before each of its own model
-calls (a command: a forward, an adapter to place in given pages or to drop, KV blocks to zero,
-stop), their forwards exchanging with rank 0's inside every layer. No weights cross: a rank reads
+calls (a command: a forward, an adapter to place in given pages or to drop, KV blocks to zero),
+their forwards exchanging with rank 0's inside every layer. No weights cross: a rank reads
 an adapter's blob from the digest-named file rank 0 points it to and takes its own part.
 
 Faults: a rank that cannot start fails the engine's start with that rank's error. One that dies
@@ -13,7 +13,6 @@ the step timeout (the engine's watchdog); either way the engine dies and the wor
 never outlive rank 0: each holds a pipe from it and exits at its end of file.
 """
 
-import contextlib
 import json
 import os
 import select
@@ -115,12 +114,10 @@ class RankGroup:
         self._send({"op": "zero", "blocks": blocks})
 
     def stop(self) -> None:
-        """Every rank told to exit, then waited for (killed if it does not)."""
-        if self._processes and all(p.poll() is None for p in self._processes):
-            with contextlib.suppress(RuntimeError):  # a rank died: the others end at their pipe's end
-                self._send({"op": "stop"})
-        self.parallel.close()
+        """Every rank ends: its pipe from rank 0 closed (it exits at the end of file), then waited
+        for, and killed if it does not end in time (a hung rank reads no pipe)."""
         self._closer()
+        self.parallel.close()
 
     def kill(self) -> None:
         """End every rank at once (the engine died: a rank stuck in a collective would wait on)."""
