@@ -172,7 +172,8 @@ class HostTier:
         self._bound[version] -= 1
         if self._bound[version] <= 0:
             del self._bound[version]
-            self.prune(version.name)
+            if not self._current(version):
+                self.prune(version.name)
 
     def get(self, name: str, digest: str | None = None) -> ReadyAdapter | None:
         """The ready version (now most recently used), or None after starting its load if there
