@@ -11,6 +11,7 @@ from typing import BinaryIO, Protocol
 from adapter_store.config import StoreConfig
 from adapter_store.local_source import LocalSource
 from adapter_store.s3_source import S3Source, s3_client
+from shared import peft_vocab
 from shared.errors import InvalidArgument
 from shared.peft_checkpoint import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE, pickle_refusal
 
@@ -71,6 +72,8 @@ def _checkpoint_files(source: Source, where: str) -> tuple[str, ...]:
         raise InvalidArgument(f"{where}: {source.uri} has no {WEIGHTS_FILE}")
     if source.size(CONFIG_FILE) is None:
         raise InvalidArgument(f"{where}: {source.uri} has no {CONFIG_FILE}")
+    if source.size(peft_vocab.NEW_EMBEDDINGS_FILE) is not None:
+        raise peft_vocab.resized_layout_refusal(where)
     return CONFIG_FILE, WEIGHTS_FILE
 
 

@@ -20,6 +20,7 @@ from adapter_store.s3_source import s3_client
 from adapter_store.sources import Sources
 from adapter_store.sqlite_catalog import SqliteCatalog
 from shared import adapter_blob
+from shared.base_vocab import BaseVocab
 from shared.errors import InvalidArgument, NotFound
 from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
@@ -36,6 +37,7 @@ class Store:
         self.catalog, self.blobs = _backends(config, self.events)
         self._sources = Sources(config)
         self._model = ModelConfig.from_dir(config.base_model) if config.base_model else None
+        self._base = BaseVocab(config.base_model, self._model) if config.base_model else None
         # Blob writes and catalog rows change together under this lock, so a delete never
         # removes a blob that a registration is about to reference.
         self._lock = threading.Lock()
@@ -48,7 +50,12 @@ class Store:
         with tempfile.TemporaryDirectory(dir=self._incoming) as folder:
             source = self._sources.fetch(source_uri, Path(folder), where)
             weights = load_peft_adapter(
-                adapter_id, folder, self._model, self.config.max_lora_rank, self.config.torch_dtype
+                adapter_id,
+                folder,
+                self._model,
+                self.config.max_lora_rank,
+                self.config.torch_dtype,
+                self._base,
             )
         blob = adapter_blob.encode(weights)
         with self._lock:

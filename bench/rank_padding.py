@@ -23,7 +23,7 @@ from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from bench.report import markdown_table
 from inference_service.adapters.adapter_image import AdapterImage
-from inference_service.engine.adapter_memory import AdapterMemory, page_units
+from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
@@ -75,7 +75,7 @@ def build_runner(
             kv_cache_tokens=2 * SEQUENCES * (CONTEXT + steps + 16),
         )
     )
-    memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
+    memory = AdapterMemory.for_model(runner.lora_units, runner.model_config, runner.config.torch_dtype)
     slots = []
     for folder in adapter_dirs:
         weights = load_peft_adapter(folder.name, folder, runner.model_config, max_rank, torch.float32)

@@ -18,7 +18,7 @@ import torch
 from bench.cache import default_model_dir
 from bench.random_adapter import write_random_adapter
 from inference_service.adapters.adapter_image import AdapterImage
-from inference_service.engine.adapter_memory import AdapterMemory, page_units
+from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from shared.peft_checkpoint import load_peft_adapter
@@ -59,7 +59,7 @@ def slot_activation(model_dir: Path, activations: int = 50) -> dict:
         folder = write_random_adapter(runner.model_config, Path(tmp) / "r16", RANK, seed=0)
         weights = load_peft_adapter("r16", folder, runner.model_config, RANK, runner.config.torch_dtype)
     image = AdapterImage.of(weights, runner.model_config, runner.config.torch_dtype)
-    memory = AdapterMemory(runner.lora_units, page_units(runner.model_config))
+    memory = AdapterMemory.for_model(runner.lora_units, runner.model_config, runner.config.torch_dtype)
     slot, _ = memory.acquire("r16", image.need)
     pages = memory.pages(slot)
     copy = raw_copy(image)

@@ -4,7 +4,9 @@ Tensors are named `layers.{i}.{module}.lora_a` ([rank, in]) and `.lora_b_t` ([ra
 transposed, scaling merged), in the serving dtype: the kernels' layout. An MoE layer's experts
 hold one LoRA per expert, stacked: [experts, rank, in] and [experts, rank, out]. safetensors writes
 metadata keys in hash order, so rank, alpha and the format version sit in one key as sorted
-JSON: the same content always encodes to the same bytes, hence the same digest.
+JSON: the same content always encodes to the same bytes, hence the same digest. The
+vocabulary side's tensors (embed_tokens.*, lm_head.*) are vocab_blob.py's; a blob without them is
+byte for byte what it was before they existed.
 """
 
 import hashlib
@@ -19,10 +21,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from shared import vocab_blob
+from shared.adapter_weights import AdapterWeights, ModuleLora
 from shared.errors import FailedPrecondition, quoted
 from shared.model_config import MODULE_PARENTS, LinearShape, ModelConfig
 from shared.nonfinite import first_nonfinite
-from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 FORMAT = "loramux-adapter/2"
 METADATA_KEY = "loramux"
@@ -96,7 +99,7 @@ def _named_tensors(weights: AdapterWeights) -> dict[str, torch.Tensor]:
     for (layer, module), m in weights.modules.items():
         tensors[f"layers.{layer}.{module}.lora_a"] = m.a
         tensors[f"layers.{layer}.{module}.lora_b_t"] = m.b_t
-    return tensors
+    return tensors | weights.vocab.tensors
 
 
 def _metadata(weights: AdapterWeights) -> dict[str, str]:
@@ -106,6 +109,8 @@ def _metadata(weights: AdapterWeights) -> dict[str, str]:
         "alpha": weights.alpha,
         "target_modules": list(weights.target_modules),
     }
+    if weights.vocab.token_indices:
+        metadata["token_rows"] = weights.vocab.token_indices
     return {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
 
 
@@ -137,8 +142,14 @@ def decode(
     given) and finite values. Every defect is FailedPrecondition naming `where` and the tensor."""
     header = _header(blob, where)
     declared = _declared(header.pop("__metadata__", None), where)
-    shapes = _tensor_shapes(header, declared, model, where)
-    _check_ranks(shapes, declared, max_rank, where)
+    vocab_shapes = {
+        name: _tensor_shape(name, header.pop(name), where)
+        for name in list(header)
+        if vocab_blob.TENSOR_NAME.fullmatch(name)
+    }
+    vocab_blob.check_shapes(vocab_shapes, declared.target_modules, declared.token_rows, model, where)
+    shapes = _tensor_shapes(header, declared, model, bool(vocab_shapes), where)
+    _check_ranks(shapes, vocab_blob.lora_ranks(vocab_shapes), declared, max_rank, where)
     tensors = _tensors(blob, where)
     modules = {
         (layer, module): ModuleLora(
@@ -146,7 +157,8 @@ def decode(
         )
         for layer, module in sorted(shapes)
     }
-    return AdapterWeights(declared.rank, declared.alpha, declared.target_modules, modules)
+    vocab = vocab_blob.weights(tensors, declared.token_rows)
+    return AdapterWeights(declared.rank, declared.alpha, declared.target_modules, modules, vocab)
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,7 @@ class _Declared:
     rank: int
     alpha: float
     target_modules: tuple[str, ...]
+    token_rows: dict[str, tuple[int, ...]]  # module -> the token ids of its re-trained rows
 
 
 def _header(blob: bytes, where: str) -> dict:
@@ -192,21 +205,26 @@ def _declared(metadata: object, where: str) -> _Declared:
         )
     if not (_is_int(alpha) or isinstance(alpha, float)) or not math.isfinite(alpha):
         raise FailedPrecondition(f"{where}: the blob's metadata alpha {quoted(alpha)} is not a finite number")
-    if not isinstance(targets, list) or not all(isinstance(t, str) and t in MODULE_PARENTS for t in targets):
+    modules = (*MODULE_PARENTS, *vocab_blob.MODULES)
+    if not isinstance(targets, list) or not all(isinstance(t, str) and t in modules for t in targets):
         raise FailedPrecondition(
             f"{where}: the blob's metadata target_modules {quoted(targets)} is not a list of LoRA "
-            f"target modules ({', '.join(MODULE_PARENTS)})"
+            f"target modules ({', '.join(modules)})"
         )
-    return _Declared(rank, float(alpha), tuple(targets))
+    token_rows = vocab_blob.check_token_rows(meta.get("token_rows"), where)
+    return _Declared(rank, float(alpha), tuple(targets), token_rows)
 
 
-def _tensor_shapes(header: dict, declared: _Declared, model: ModelConfig | None, where: str) -> dict:
-    """(layer, module) -> {"lora_a": shape, "lora_b_t": shape}, every tensor accounted for."""
+def _tensor_shapes(
+    header: dict, declared: _Declared, model: ModelConfig | None, vocab: bool, where: str
+) -> dict:
+    """(layer, module) -> {"lora_a": shape, "lora_b_t": shape}, every tensor accounted for
+    (`vocab`: the blob holds vocabulary-side tensors, which may be all it holds)."""
     pairs: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
     for name, entry in header.items():
         layer, module, half = _tensor_key(name, declared, model, where)
         pairs.setdefault((layer, module), {})[half] = _tensor_shape(name, entry, where)
-    if not pairs:
+    if not pairs and not vocab:
         raise FailedPrecondition(f"{where}: the blob holds no LoRA tensors")
     shapes = model.linear_shapes() if model else {}
     for (layer, module), pair in pairs.items():
@@ -282,12 +300,18 @@ def _check_module(label: str, pair: dict[str, tuple[int, ...]], want: LinearShap
         )
 
 
-def _check_ranks(shapes: dict, declared: _Declared, max_rank: int | None, where: str) -> None:
-    (layer, module), pair = max(shapes.items(), key=lambda item: item[1]["lora_a"][-2])
-    largest = pair["lora_a"][-2]
+def _check_ranks(
+    shapes: dict, vocab_ranks: dict[str, int], declared: _Declared, max_rank: int | None, where: str
+) -> None:
+    """The largest module rank (the vocabulary side's LoRA included) is the declared one."""
+    ranks = {f"layers.{layer}.{module}": pair["lora_a"][-2] for (layer, module), pair in shapes.items()}
+    ranks |= vocab_ranks
+    if not ranks:
+        return  # no LoRA: only the vocabulary side's own matrices or rows
+    module, largest = max(ranks.items(), key=lambda item: item[1])
     if largest != declared.rank:
         raise FailedPrecondition(
-            f"{where}: layers.{layer}.{module} has rank {largest}, but the blob's metadata declares "
+            f"{where}: {module} has rank {largest}, but the blob's metadata declares "
             f"rank {declared.rank} (the largest module rank)"
         )
     if max_rank is not None and largest > max_rank:

@@ -4,14 +4,15 @@ weights ready to serve: per (layer, module) A and B with the scaling merged into
 import json
 import math
 import re
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from shared import peft_experts
+from shared import peft_experts, peft_vocab
+from shared.adapter_weights import AdapterWeights, ModuleLora, VocabWeights
+from shared.base_vocab import BaseVocab
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.model_config import DENSE_TARGETS, EXPERT_TARGETS, MODULE_PARENTS, ModelConfig, peft_path
 from shared.nonfinite import first_nonfinite
@@ -20,7 +21,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
 CHECKPOINT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
 # A linear module's path below its layer -> its LoRA target (the router is no nn.Linear module).
 PEFT_TARGETS = {peft_path(t): t for t in MODULE_PARENTS if t != "router"}
 TENSOR_KEY = re.compile(
@@ -39,6 +39,12 @@ class LoraConfig:
     rank_pattern: dict
     alpha_pattern: dict
     target_parameters: tuple[str, ...] = ()  # an MoE layer's router and experts (peft_experts.py)
+    modules_to_save: tuple[str, ...] = ()  # "embed_tokens", "lm_head": served from the adapter's own copy
+    trainable_tokens: dict[str, tuple[int, ...]] = field(
+        default_factory=dict
+    )  # module -> re-trained rows' token ids
+    # On a tied model: LoRA or a copy on the embedding or the head is on both (PEFT saves both).
+    ensure_weight_tying: bool = False
 
     @classmethod
     def from_json(cls, cfg: dict, where: str) -> "LoraConfig":
@@ -53,8 +59,12 @@ class LoraConfig:
             raise InvalidArgument(
                 f"{where}: target_modules must be a list, a regex or 'all-linear', target_parameters a list"
             )
-        if not targets and not parameters:
-            raise InvalidArgument(f"{where}: target_modules and target_parameters name nothing to adapt")
+        saved, tokens = _modules_to_save(cfg, where), _trainable_tokens(cfg, where)
+        if not targets and not parameters and not saved and not tokens:
+            raise InvalidArgument(
+                f"{where}: target_modules, target_parameters, modules_to_save and trainable_token_indices "
+                "name nothing to adapt"
+            )
         return cls(
             rank,
             float(alpha),
@@ -63,6 +73,9 @@ class LoraConfig:
             dict(cfg.get("rank_pattern") or {}),
             dict(cfg.get("alpha_pattern") or {}),
             tuple(parameters),
+            saved,
+            tokens,
+            bool(cfg.get("ensure_weight_tying", False)),
         )
 
     def scaling(self, module_key: str, rank: int) -> float:
@@ -73,48 +86,45 @@ class LoraConfig:
         return int(_pattern_value(self.rank_pattern, module_key, self.rank))
 
 
-@dataclass(frozen=True)
-class ModuleLora:
-    """One module's LoRA in the kernels' layout: y += b_t^T (a x); an MoE layer's experts hold
-    one per expert, stacked (an expert's tokens use its own)."""
-
-    a: torch.Tensor  # [rank, in], or [experts, rank, in]
-    b_t: torch.Tensor  # [rank, out] (or [experts, rank, out]): PEFT's lora_B transposed, scaling merged
-
-    @property
-    def rank(self) -> int:
-        return self.a.shape[-2]
-
-
-@dataclass(frozen=True)
-class AdapterWeights:
-    rank: int  # the largest module rank
-    alpha: float
-    target_modules: tuple[str, ...]  # PEFT module names with weights, e.g. ("q_proj", "v_proj")
-    modules: dict[tuple[int, str], ModuleLora]  # (layer, PEFT module name) -> weights
-
-    @cached_property
-    def module_ranks(self) -> dict[str, int]:
-        """PEFT module name -> the largest rank of its weights over layers."""
-        ranks: dict[str, int] = {}
-        for (_, module), m in self.modules.items():
-            ranks[module] = max(ranks.get(module, 0), m.rank)
-        return ranks
-
-
 def load_peft_adapter(
-    name: str, adapter_dir: str | Path, model: ModelConfig | None, max_rank: int | None, dtype: torch.dtype
+    name: str,
+    adapter_dir: str | Path,
+    model: ModelConfig | None,
+    max_rank: int | None,
+    dtype: torch.dtype,
+    base: BaseVocab | None = None,
 ) -> AdapterWeights:
     """Validate the checkpoint in `adapter_dir` against `model` (shapes, modules) and return
-    its weights in `dtype`. Every refusal names adapter, file, module and shapes."""
+    its weights in `dtype`. `base`: the base model's weights, which the copies PEFT saves of a
+    LoRA-targeted embedding or head must equal. Every refusal names adapter, file, module and
+    shapes."""
     adapter_dir = Path(adapter_dir)
     where = f"adapter {name!r}"
     config = LoraConfig.from_json(_read_config(adapter_dir, where), f"{where}: {CONFIG_FILE}")
-    tensors = _read_tensors(adapter_dir, where)
+    vocab_tensors, tensors = peft_vocab.split(_read_tensors(adapter_dir, where))
     pairs = _pair_tensors(tensors, peft_experts.targeted_parameters(config.target_parameters, where), where)
-    _check_targets(config, pairs, model, where)
+    vocab_targets = _check_targets(config, pairs, model, where)
     _check_values(pairs, where)
-    loading = _Loading(config, model, max_rank, dtype, where)
+    loading = Loading(config, model, max_rank, dtype, where)
+    modules = _layer_modules(loading, pairs)
+    vocab = peft_vocab.read(vocab_tensors, vocab_targets, loading, base)
+    if not modules and not vocab:
+        raise InvalidArgument(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    _check_serving_values(modules, vocab, dtype, where)
+    ranks = [m.rank for m in modules.values()] + [
+        lora.rank for lora in (vocab.embed_lora, vocab.head_lora) if lora
+    ]
+    return AdapterWeights(
+        rank=max(ranks, default=config.rank),
+        alpha=config.alpha,
+        target_modules=tuple(sorted({module for _, module in modules})) + vocab.lora_targets,
+        modules=modules,
+        vocab=vocab,
+    )
+
+
+def _layer_modules(loading: "Loading", pairs: dict) -> dict[tuple[int, str], ModuleLora]:
+    """The decoder layers' LoRA, (layer, target) -> weights, an MoE layer's experts stacked."""
     modules, experts = {}, {}  # experts: (layer, target) -> expert -> a transformers 4 expert's LoRA
     for (layer, module), (a, b) in pairs.items():
         if peft_experts.expert_index(module) is not None:
@@ -126,17 +136,9 @@ def load_peft_adapter(
         else:
             modules[(layer, module)] = _module(loading, (layer, module), a, b)
     for (layer, target), loras in experts.items():
-        label = f"{where}: layers.{layer}'s experts' {target}"
-        modules[(layer, target)] = ModuleLora(*peft_experts.stack_experts(loras, model, label))
-    if not modules:
-        raise InvalidArgument(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    _check_serving_values(modules, dtype, where)
-    return AdapterWeights(
-        rank=max(m.rank for m in modules.values()),
-        alpha=config.alpha,
-        target_modules=tuple(sorted({module for _, module in modules})),
-        modules=modules,
-    )
+        label = f"{loading.where}: layers.{layer}'s experts' {target}"
+        modules[(layer, target)] = ModuleLora(*peft_experts.stack_experts(loras, loading.model, label))
+    return modules
 
 
 def _refuse_unsupported(cfg: dict, where: str) -> None:
@@ -144,7 +146,6 @@ def _refuse_unsupported(cfg: dict, where: str) -> None:
         raise InvalidArgument(f"{where}: peft_type {cfg['peft_type']!r} is not LORA")
     refusals = {
         "use_dora": "DoRA adapters (use_dora) are not supported",
-        "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
         "fan_in_fan_out": "fan_in_fan_out weights are not supported",
         "lora_bias": "a bias on lora_B (lora_bias) is not supported",
         "layer_replication": "layer_replication is not supported",
@@ -156,6 +157,46 @@ def _refuse_unsupported(cfg: dict, where: str) -> None:
         raise InvalidArgument(
             f"{where}: bias={cfg['bias']!r} trains base biases; only bias='none' is supported"
         )
+
+
+def _modules_to_save(cfg: dict, where: str) -> tuple[str, ...]:
+    """The vocabulary-side modules modules_to_save names; any other module is refused by name."""
+    names = cfg.get("modules_to_save") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise InvalidArgument(f"{where}: modules_to_save must be a list of module names, got {names!r}")
+    modules = []
+    for name in names:
+        module = peft_vocab.module_of(name)
+        if module is None:
+            raise InvalidArgument(
+                f"{where}: modules_to_save names {name!r}; an adapter's own copy is served for "
+                "embed_tokens and lm_head only"
+            )
+        modules.append(module)
+    return tuple(dict.fromkeys(modules))
+
+
+def _trainable_tokens(cfg: dict, where: str) -> dict[str, tuple[int, ...]]:
+    """trainable_token_indices as module -> token ids: a list re-trains embed_tokens' rows, a dict
+    names the module of each list."""
+    spec = cfg.get("trainable_token_indices")
+    if spec is None:
+        return {}
+    by_module = spec if isinstance(spec, dict) else {"embed_tokens": spec}
+    tokens = {}
+    for name, indices in by_module.items():
+        module = peft_vocab.module_of(name) if isinstance(name, str) else None
+        if module is None:
+            raise InvalidArgument(
+                f"{where}: trainable_token_indices names {name!r}; rows of embed_tokens and lm_head "
+                "are served"
+            )
+        if not isinstance(indices, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in indices
+        ):
+            raise InvalidArgument(f"{where}: trainable_token_indices of {name} must be a list of token ids")
+        tokens[module] = tuple(indices)
+    return tokens
 
 
 def _read_config(adapter_dir: Path, where: str) -> dict:
@@ -174,6 +215,8 @@ def _read_config(adapter_dir: Path, where: str) -> dict:
 
 
 def _read_tensors(adapter_dir: Path, where: str) -> dict[str, torch.Tensor]:
+    if (adapter_dir / peft_vocab.NEW_EMBEDDINGS_FILE).exists():
+        raise peft_vocab.resized_layout_refusal(where)
     path = adapter_dir / WEIGHTS_FILE
     if not path.is_file():
         pickles = [p for p in PICKLE_FILES if (adapter_dir / p).exists()]
@@ -212,7 +255,7 @@ def _pair_tensors(
         if target is None:
             raise InvalidArgument(
                 f"{where}: tensor {key} is not a LoRA A/B matrix of a decoder linear layer "
-                f"(DoRA vectors, embeddings and modules_to_save are not supported)"
+                f"(DoRA vectors and other modules' weights are not supported)"
             )
         halves.setdefault((int(m[1]), target), {})[m[4]] = tensor
     for (layer, module), pair in halves.items():
@@ -222,10 +265,12 @@ def _pair_tensors(
     return {key: (pair["A"], pair["B"]) for key, pair in sorted(halves.items())}
 
 
-def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, where: str) -> None:
+def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, where: str) -> set[str]:
+    """Refuse weights target_modules does not name; the vocabulary-side modules it names."""
     layers = range(model.num_layers) if model else sorted({layer for layer, _ in pairs})
     modules = _linear_modules(model)
     names = [_module_key(layer, module) for layer in layers for module in modules]
+    names += peft_vocab.MODULE_PATHS.values()
     targeted = set(_targeted(config.target_modules, names, model, where)) if config.target_modules else set()
     for layer, module in pairs:
         if model and layer >= model.num_layers:
@@ -252,6 +297,7 @@ def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, w
             raise InvalidArgument(
                 f"{where}: weights for layers.{layer}.{module}, which target_modules does not name"
             )
+    return {m for m, path in peft_vocab.MODULE_PATHS.items() if path in targeted}
 
 
 def _linear_modules(model: ModelConfig | None) -> tuple[str, ...]:
@@ -270,8 +316,8 @@ def _linear_modules(model: ModelConfig | None) -> tuple[str, ...]:
 def _targeted(
     targets: tuple[str, ...] | str, names: list[str], model: ModelConfig | None, where: str
 ) -> list[str]:
-    if targets == "all-linear":
-        return names
+    if targets == "all-linear":  # as PEFT reads it: every linear layer but the output head
+        return [n for n in names if n not in peft_vocab.MODULE_PATHS.values()]
     if isinstance(targets, str):
         found = [n for n in names if re.fullmatch(targets, n)]
         if not found:
@@ -289,8 +335,6 @@ def _targeted(
 
 
 def _unknown_target(target: str, model: ModelConfig | None) -> str:
-    if target.split(".")[-1] in UNSUPPORTED_TARGETS:
-        return f"target module {target!r}: LoRA on embeddings and lm_head is not supported"
     modules = _linear_modules(model)
     if model and model.moe:  # attention, then one expert's modules stand for every expert's
         per_expert = [m for m in modules if ".experts." in m]
@@ -306,7 +350,7 @@ def _unknown_target(target: str, model: ModelConfig | None) -> str:
 
 
 @dataclass(frozen=True)
-class _Loading:
+class Loading:
     """What turning one checkpoint's tensors into served LoRA needs: its config, the model it is
     checked against, the rank bound, the serving dtype, and the adapter's name for messages."""
 
@@ -333,7 +377,7 @@ class _Loading:
 
 
 def _module(
-    loading: _Loading, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, target: str | None = None
+    loading: Loading, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, target: str | None = None
 ) -> ModuleLora:
     """A linear module's LoRA (`target`: the LoRA target whose shape it has, when its path is
     not that target's name: a transformers 4 expert's)."""
@@ -352,7 +396,7 @@ def _module(
 
 
 def _moe_modules(
-    loading: _Loading, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
+    loading: Loading, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
 ) -> dict[tuple[int, str], ModuleLora]:
     """An MoE layer's router, or a parameter of its stacked experts: its targets' LoRA, per
     expert for experts."""
@@ -386,10 +430,12 @@ def _check_values(pairs: dict[tuple[int, str], tuple], where: str) -> None:
         raise InvalidArgument(f"{where}: {bad} contains NaN or Inf values")
 
 
-def _check_serving_values(modules: dict[tuple[int, str], ModuleLora], dtype: torch.dtype, where: str) -> None:
+def _check_serving_values(
+    modules: dict[tuple[int, str], ModuleLora], vocab: VocabWeights, dtype: torch.dtype, where: str
+) -> None:
     """Finite weights can still overflow once B is scaled or cast to a narrower serving dtype;
     refused here, they would otherwise turn every request's logits to NaN."""
-    halves = {}
+    halves = dict(vocab.tensors)
     for (layer, module), m in modules.items():
         halves[f"layers.{layer}.{module}.lora_A"], halves[f"layers.{layer}.{module}.lora_B"] = m.a, m.b_t
     bad = first_nonfinite(halves)

@@ -1,13 +1,16 @@
 """AdapterImage: an adapter laid out as its pages of adapter memory hold it (kernels/lora_batch.py
 gives the layout), built once when it is loaded, off the step thread. Activating it is then one
 copy per page, of all layers at once, with nothing to zero: the image holds the zeros of the rank
-rows past each module's rank and of the layers the adapter leaves alone."""
+rows past each module's rank and of the layers the adapter leaves alone. The vocabulary side's
+parts (model/vocab_layout.py) come last, as the units of their run."""
 
 from dataclasses import dataclass, replace
 
 import torch
 
+from inference_service.model.adapter_units import unit_elements
 from inference_service.model.shard import Shard
+from inference_service.model.vocab_layout import VocabLayout
 from kernels.lora_batch import PAGE_RANK, page_width
 from shared.model_config import LinearShape, ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
@@ -16,12 +19,14 @@ from shared.peft_checkpoint import AdapterWeights, ModuleLora
 @dataclass(frozen=True)
 class AdapterImage:
     ranks: tuple[int, ...]  # [targets]: the largest rank over layers, lora_targets order (0: none)
-    # [targets] of [pages_t, layers, experts_t * PAGE_RANK * (in_t + gathered_t * out_t)]
+    # [targets] of [pages_t, layers, experts_t * PAGE_RANK * (in_t + gathered_t * out_t)], then the
+    # vocabulary side's run [units, layers, unit]
     pages: tuple[torch.Tensor, ...]
+    vocab: VocabLayout | None = None  # where the run holds the vocabulary side's parts
 
     @property
     def need(self) -> tuple[int, ...]:
-        """Pages per target: ceil(rank_t / PAGE_RANK)."""
+        """Pages per target: ceil(rank_t / PAGE_RANK); then the vocabulary side's units."""
         return tuple(image.shape[0] for image in self.pages)
 
     @classmethod
@@ -51,7 +56,14 @@ class AdapterImage:
             for layer in range(model.num_layers):
                 if (layer, target) not in placed:
                     image[:, layer].zero_()  # a layer the adapter leaves alone
-        return cls(ranks, pages)
+        layout = VocabLayout.of(weights.vocab, model.num_layers)
+        unit = unit_elements(model)
+        run = (
+            layout.image(weights.vocab, model.num_layers, unit, dtype)
+            if layout
+            else torch.empty(0, model.num_layers, unit, dtype=dtype)
+        )  # [units, layers, unit]
+        return cls(ranks, (*pages, run), layout)
 
     def check_fits(
         self,
@@ -63,12 +75,12 @@ class AdapterImage:
     ) -> None:
         """Refuse an image the memory's layout cannot hold (a loader that skipped its checks): a
         rank past max_lora_rank (the step tables hold that many pages), or pages not shaped as
-        the model's pages (`widths` per target) and the ones acquired for it."""
-        for target, rank, image_pages, units, width in zip(
-            targets, self.ranks, self.pages, pages, widths, strict=True
-        ):
+        the model's pages (`widths` per target, the vocabulary side's run last) and the ones
+        acquired for it."""
+        for target, rank in zip(targets, self.ranks, strict=False):
             if rank > max_rank:
                 raise ValueError(f"{target} has rank {rank}, above max_lora_rank {max_rank}")
+        for target, image_pages, units, width in zip(targets, self.pages, pages, widths, strict=True):
             if image_pages.shape != (len(units), num_layers, width):
                 raise ValueError(
                     f"{target} pages are {tuple(image_pages.shape)}; the adapter memory holds "

@@ -10,6 +10,7 @@ from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import ReadyAdapter
 from inference_service.model.shard import Shard
 from shared import adapter_blob
+from shared.base_vocab import BaseVocab
 from shared.errors import FailedPrecondition, NotFound
 from shared.model_config import ModelConfig
 from shared.peft_checkpoint import load_peft_adapter
@@ -24,8 +25,17 @@ class LocalAdapterLoader:
     of it, and its blob is written by digest to a folder of the loader's (it goes with the
     loader), for the other ranks to take theirs."""
 
-    def __init__(self, model: ModelConfig, max_rank: int, dtype: torch.dtype, shard: Shard | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_rank: int,
+        dtype: torch.dtype,
+        shard: Shard | None = None,
+        base: BaseVocab | None = None,
+    ):
+        """base: the base model's embedding and head, which an adapter's saved copies must equal."""
         self._model, self._max_rank, self._dtype, self._shard = model, max_rank, dtype, shard
+        self._base = base
         spooled = shard is not None and shard.size > 1
         self._spool = tempfile.TemporaryDirectory(prefix="loramux-adapter-blobs-") if spooled else None
         self._names: dict[str, str] = {}  # name -> digest new requests get
@@ -61,7 +71,7 @@ class LocalAdapterLoader:
     def read(self, name: str, folder: str | Path) -> ReadyAdapter:
         """Validate and optimize the PEFT checkpoint in `folder` as adapter `name`, without
         registering it."""
-        weights = load_peft_adapter(name, folder, self._model, self._max_rank, self._dtype)
+        weights = load_peft_adapter(name, folder, self._model, self._max_rank, self._dtype, self._base)
         if self._spool is None:
             return ReadyAdapter.of(name, weights, self._model, self._dtype, self._shard)
         blob = adapter_blob.encode(weights)

@@ -6,7 +6,9 @@ takes, per LoRA target t (the model's lora_targets order), need[t] pages of PAGE
 a page of target t is a run of page_units[t] contiguous units. A page of an MoE layer's expert
 target holds those rank rows for every expert, one block after another: experts times the units.
 Pages of one adapter need not be adjacent, so adapters of any rank share the memory without
-fragmenting it whole-adapter-wise (S-LoRA).
+fragmenting it whole-adapter-wise (S-LoRA). A model's memory has one more target after its LoRA
+targets: the vocabulary side (model/vocab_layout.py), whose parts take one run of need[t]
+adjacent units (a target of `runs`: its pages are those units, one each).
 """
 
 import bisect
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.engine.config import EngineConfig
+from inference_service.model.adapter_units import page_units, unit_elements
 from kernels.lora_batch import PAGE_RANK
 from shared.errors import InvalidArgument
 from shared.model_config import ModelConfig
@@ -33,22 +36,6 @@ class SlotStats:
     bytes_total: int
 
 
-def unit_elements(model: ModelConfig) -> int:
-    """Elements per unit: PAGE_RANK * gcd over targets of (in_features + out_features), so every
-    target's page (PAGE_RANK * (in + out) elements, times the experts for an expert target) and
-    every expert's block of it is a whole number of units."""
-    return PAGE_RANK * math.gcd(*_block_widths(model))
-
-
-def page_units(model: ModelConfig) -> tuple[int, ...]:
-    """Units per page of each target, lora_targets order."""
-    unit_width = math.gcd(*_block_widths(model))
-    shapes = model.linear_shapes().values()
-    return tuple(
-        width // unit_width * s.experts for width, s in zip(_block_widths(model), shapes, strict=True)
-    )
-
-
 def adapter_bytes(model: ModelConfig, need: tuple[int, ...], dtype: torch.dtype) -> int:
     """Device bytes, over all layers, of an adapter needing `need` pages per target."""
     return _units(need, page_units(model)) * unit_bytes(model, dtype)
@@ -60,7 +47,7 @@ def slot_memory(model: ModelConfig, loras: int, rank: int, dtype: torch.dtype) -
     column target holds ceil(rank / N) of the rank rows on each of its N ranks."""
     shapes = model.linear_shapes().values()
     need = tuple(math.ceil(math.ceil(rank / s.gathered) / PAGE_RANK) for s in shapes)
-    return loras * adapter_bytes(model, need, dtype)
+    return loras * adapter_bytes(model, (*need, 0), dtype)
 
 
 def memory_units(model: ModelConfig, memory_bytes: int, dtype: torch.dtype) -> int:
@@ -119,12 +106,6 @@ def _units(need: tuple[int, ...], page_units: tuple[int, ...]) -> int:
     return sum(n * size for n, size in zip(need, page_units, strict=True))
 
 
-def _block_widths(model: ModelConfig) -> list[int]:
-    """in_features + gathered * out_features of each target (of one expert), lora_targets order:
-    a page's width over PAGE_RANK."""
-    return [s.in_features + s.gathered * s.out_features for s in model.linear_shapes().values()]
-
-
 class _FreeRuns:
     """Free units as sorted, disjoint, non-adjacent runs [start, start + length)."""
 
@@ -173,14 +154,23 @@ class AdapterMemory:
     never evicted; idle ones are evicted least recently used first. A slot is a small handle of
     a resident adapter, reused lowest first."""
 
-    def __init__(self, units: int, page_units: tuple[int, ...], unit_bytes: int = 1):
-        self.units, self.page_units, self.unit_bytes = units, page_units, unit_bytes
+    def __init__(
+        self, units: int, page_units: tuple[int, ...], unit_bytes: int = 1, runs: frozenset[int] = frozenset()
+    ):
+        """runs: the targets whose pages are one run of adjacent units (page_units 1)."""
+        self.units, self.page_units, self.unit_bytes, self.runs = units, page_units, unit_bytes, runs
         self._free = _FreeRuns([(0, units)] if units else [])
         self._slots: list[_Slot] = []
         self._slot_of: dict[str, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # resident, unused; least recent first
         self._clock = 0
         self.activations = self.evictions = 0
+
+    @classmethod
+    def for_model(cls, units: int, model: ModelConfig, dtype: torch.dtype) -> "AdapterMemory":
+        """`units` units of memory for `model`'s LoRA targets and vocabulary side in `dtype`."""
+        sizes = page_units(model)
+        return cls(units, sizes, unit_bytes(model, dtype), frozenset({len(sizes) - 1}))
 
     def resident(self, digest: str) -> int | None:
         """The slot of `digest`, if resident."""
@@ -208,7 +198,7 @@ class AdapterMemory:
         its pages fit in the free units once every idle adapter is evicted. Changes nothing."""
         return (
             self.resident(digest) is not None
-            or _first_fit(self._free_of_idle(), self.page_units, need) is not None
+            or _first_fit(self._free_of_idle(), self.page_units, need, self.runs) is not None
         )
 
     def acquire(
@@ -256,7 +246,7 @@ class AdapterMemory:
         )
         free = self._free_of_idle()
         for count, slot in enumerate(busy):
-            if _first_fit(free.copy(), self.page_units, need) is not None:
+            if _first_fit(free.copy(), self.page_units, need, self.runs) is not None:
                 return frozenset(busy[:count])
             _give_pages(free, self.page_units, self._slots[slot].pages)
         return frozenset(busy)
@@ -297,7 +287,7 @@ class AdapterMemory:
     def _take(self, need: tuple[int, ...]) -> Pages | None:
         """First-fit pages for `need`, cut from the free units; None (nothing cut) if they do not fit."""
         free = self._free.copy()
-        pages = _first_fit(free, self.page_units, need)
+        pages = _first_fit(free, self.page_units, need, self.runs)
         if pages is not None:
             self._free = free
         return pages
@@ -320,19 +310,25 @@ class AdapterMemory:
         return slot
 
 
-def _first_fit(free: _FreeRuns, page_units: tuple[int, ...], need: tuple[int, ...]) -> Pages | None:
-    """Pages for `need` cut from `free`, largest pages first, each in the first run long enough;
-    None when one does not fit (`free` is then partly cut: pass a copy)."""
+def _first_fit(
+    free: _FreeRuns, page_units: tuple[int, ...], need: tuple[int, ...], runs: frozenset[int]
+) -> Pages | None:
+    """Pages for `need` cut from `free`, largest pages first (a run target's run as one page of
+    its length), each in the first run long enough; None when one does not fit (`free` is then
+    partly cut: pass a copy)."""
     if len(need) != len(page_units):
         raise ValueError(f"need {need} names {len(need)} targets; the memory has {len(page_units)}")
-    starts: list[list[int]] = [[] for _ in need]
-    for t in sorted(range(len(need)), key=lambda t: -page_units[t]):
-        for _ in range(need[t]):
-            start = free.take(page_units[t])
+    starts: list[tuple[int, ...]] = [() for _ in need]
+    # (pages, units each): a run target's run is one page of its length, its units its pages
+    shapes = [(min(n, 1), n) if t in runs else (n, page_units[t]) for t, n in enumerate(need)]
+    for t in sorted(range(len(need)), key=lambda t: -shapes[t][1]):
+        count, length = shapes[t]
+        for _ in range(count):
+            start = free.take(length)
             if start is None:
                 return None
-            starts[t].append(start)
-    return tuple(tuple(s) for s in starts)
+            starts[t] += tuple(range(start, start + length)) if t in runs else (start,)
+    return tuple(starts)
 
 
 def _give_pages(free: _FreeRuns, page_units: tuple[int, ...], pages: Pages) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from inference_service.adapters.host_tier import AdapterLoader, HostTier, ReadyAdapter
 from inference_service.adapters.local_loader import LocalAdapterLoader
-from inference_service.engine.adapter_memory import AdapterMemory, page_units, unit_bytes
+from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.delta_queue import DeltaQueue
@@ -41,6 +41,7 @@ from inference_service.engine.snapshot import AdapterState, Snapshot
 from inference_service.engine.streams import Streams
 from inference_service.engine.tokenizer import Tokenizer
 from inference_service.torch_threads import in_passing_thread, per_rank
+from shared.base_vocab import BaseVocab
 from shared.errors import FailedPrecondition, LoramuxError, NotFound, Unavailable, brief
 from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
@@ -58,14 +59,14 @@ class Engine:
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
         shard = self.runner.parallel.shard
-        self.loader = loader or LocalAdapterLoader(model, config.max_lora_rank, config.torch_dtype, shard)
+        self.loader = loader or LocalAdapterLoader(
+            model, config.max_lora_rank, config.torch_dtype, shard, BaseVocab(config.model, model)
+        )
         self._wakeup = threading.Event()  # set when a step has something new: a submit, a load
         pinned = self.runner.device.type == "cuda"
         self.host = HostTier(config.max_cpu_loras, self.loader, pinned, self._wakeup.set)
         rank = self.runner.rank_config  # adapter memory holds this rank's part of each adapter
-        self.memory = AdapterMemory(
-            self.runner.lora_units, page_units(rank), unit_bytes(rank, config.torch_dtype)
-        )
+        self.memory = AdapterMemory.for_model(self.runner.lora_units, rank, config.torch_dtype)
         blocks = BlockManager(self.runner.num_blocks, config.prefix_caching)
         self.scheduler = Scheduler(config, blocks, self.memory, self.host)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids

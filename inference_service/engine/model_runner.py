@@ -7,12 +7,7 @@ import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import ReadyAdapter
-from inference_service.engine.adapter_memory import (
-    adapter_memory_units,
-    check_device_room,
-    page_units,
-    unit_elements,
-)
+from inference_service.engine.adapter_memory import adapter_memory_units, check_device_room
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_blocks, cuda_blocks, sized_by
@@ -20,6 +15,7 @@ from inference_service.engine.rank_group import RankGroup, RankReport
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
+from inference_service.model.adapter_units import memory_targets, page_units, unit_elements
 from inference_service.model.base_weight import serving_format, weight_bytes
 from inference_service.model.collectives import Collectives
 from inference_service.model.decode_buffers import DecodeBuffers
@@ -27,6 +23,7 @@ from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel, model_bytes
 from inference_service.model.moe import expert_weight_bytes
+from inference_service.model.vocab_adapters import VocabPages
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import ModelConfig
@@ -57,7 +54,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.lora_unit = unit_elements(self.rank_config)
         self.lora_units = adapter_memory_units(config, self.rank_config)
-        self._page_widths = [n * self.lora_unit for n in page_units(self.rank_config)]  # [targets]
+        self._page_widths = [n * self.lora_unit for n in page_units(self.rank_config)]  # [targets, run]
         self.quantization = serving_format(self.model_config, config.quantization, config.model)
         if self.device.type == "cuda":
             self._check_device_room()
@@ -73,6 +70,7 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.linear_weight_bytes = weight_bytes(self.model) + expert_weight_bytes(self.model)
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
+        self._vocab: dict[int, VocabPages] = {}  # and its vocabulary-side parts, if it has any
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
@@ -204,7 +202,8 @@ class ModelRunner:
         token. A row whose logits hold NaN or Inf (weights that overflow in the serving dtype)
         draws nothing; the caller zeroes the blocks its sequence computed."""
         inputs = [_input(c) for c in chunks]
-        if self.graphs is not None and all(c.num_tokens == 1 for c in chunks):
+        eager = any(c.seq.slot in self._vocab for c in chunks)  # no graph reads vocabulary-side parts
+        if self.graphs is not None and not eager and all(c.num_tokens == 1 for c in chunks):
             logits = self.graphs.run(inputs, self._adapters)  # [chunks, vocab]
         else:
             logits = self.forward(inputs)  # [chunks, vocab]
@@ -234,6 +233,8 @@ class ModelRunner:
             all_logits,
             self._adapters,
             kernels,
+            self._vocab,
+            self.parallel.shard.vocab(self.model_config.vocab_size),
         )
         return self.model(batch, self.cache)
 
@@ -253,7 +254,7 @@ class ModelRunner:
         pool, unit = self.model.lora_pool, self.lora_unit  # pool: [layers, units*unit]
         widths = self._page_widths
         image.check_fits(
-            pages, self.rank_config.lora_targets, pool.shape[0], widths, self.config.max_lora_rank
+            pages, memory_targets(self.rank_config), pool.shape[0], widths, self.config.max_lora_rank
         )
         if self.followers is not None:  # checked first: a rank that fails a load ends the engine
             if source is None or source.blob is None:
@@ -264,13 +265,16 @@ class ModelRunner:
         targets = [pool[:, u * unit : u * unit + widths[t]] for t, units in enumerate(pages) for u in units]
         sources = [page for target_pages in image.pages for page in target_pages]  # [layers, width] each
         torch._foreach_copy_(targets, sources, non_blocking=True)
-        self._adapters[slot] = AdapterPages(image.ranks, pages)
+        self._adapters[slot] = AdapterPages(image.ranks, pages[:-1])
+        if image.vocab is not None:
+            self._vocab[slot] = VocabPages(pages[-1][0], image.vocab)
 
     def clear_slot(self, slot: int) -> None:
         """`slot` serves no adapter any more (its pages go back to the adapter memory)."""
         if self.followers is not None:
             self.followers.clear(slot)
         self._adapters.pop(slot, None)
+        self._vocab.pop(slot, None)
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Wipe KV blocks a failed sequence may have filled with NaN or Inf, on every rank."""

@@ -2,7 +2,6 @@
 names), read lazily, a rank's part of one alone; and where each loads in a model: a Target, a
 tensor or rows of a fused linear layer's base weight (Rows), all of it or a Part."""
 
-import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +36,6 @@ class Checkpoint:
             return self._handles[name].get_tensor(name)
         whole = self._handles[name].get_slice(name)
         return whole[(slice(None),) * part.dim + (slice(part.start, part.stop),)]
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise InvalidArgument(
-        f"model folder {model_dir} has neither model.safetensors nor model.safetensors.index.json"
-    )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.model.attention import AttentionMetadata, SequenceChunk
+from inference_service.model.vocab_adapters import VocabBatch, VocabPages
 from kernels.lora_batch import AdapterPages, LoraBatch
 
 
@@ -29,6 +30,7 @@ class ForwardBatch:
     lora: LoraBatch | None  # None when no token uses an adapter
     logit_rows: torch.Tensor  # [rows] which hidden rows get logits (last token per sequence, or all)
     kernels: bool = True  # the Triton kernels' path (attention, LoRA, experts)
+    vocab: VocabBatch | None = None  # None when no token's adapter has vocabulary-side parts
 
     @classmethod
     def build(
@@ -40,10 +42,13 @@ class ForwardBatch:
         all_logits: bool = False,
         adapters: Mapping[int, AdapterPages] | None = None,
         kernels: bool | None = None,
+        vocab_adapters: Mapping[int, VocabPages] | None = None,
+        vocab_range: tuple[int, int] = (0, 1 << 62),
     ) -> "ForwardBatch":
         """adapters[s]: where the adapter of handle s lies in adapter memory (every handle the
-        sequences use). kernels: attention and LoRA take the Triton kernels' path (default: on
-        CUDA)."""
+        sequences use); vocab_adapters[s]: its vocabulary-side parts, if it has any, of the rows
+        [start, stop) `vocab_range` of the vocabulary this rank holds. kernels: attention and
+        LoRA take the Triton kernels' path (default: on CUDA)."""
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
         chunks, token_ids, slots, start = [], [], [], 0
@@ -54,6 +59,7 @@ class ForwardBatch:
             start += len(s.token_ids)
         attention = AttentionMetadata.build(chunks, block_size, sliding_window, device, kernels)
         last_rows = [c.token_start + c.num_tokens - 1 for c in chunks]
+        rows = list(range(start)) if all_logits else last_rows
         return cls(
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=attention.positions,
@@ -63,4 +69,5 @@ class ForwardBatch:
             if all_logits
             else torch.tensor(last_rows, dtype=torch.int64, device=device),
             kernels=kernels,
+            vocab=VocabBatch.build(token_ids, slots, rows, vocab_adapters or {}, vocab_range, device),
         )

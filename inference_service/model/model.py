@@ -13,6 +13,7 @@ from inference_service.model.moe import SparseMoe
 from inference_service.model.placement import Placement
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from inference_service.model.shard import Shard
+from inference_service.model.vocab_adapters import VocabBatch, VocabParts, add_embedding_terms, add_head_terms
 from shared.model_config import ModelConfig
 
 
@@ -46,7 +47,8 @@ class SplitRMSNorm(RMSNorm):
 
 class VocabEmbedding(nn.Module):
     """The embedding, its rows split across the ranks (all of them at one rank): a token whose row
-    another rank holds reads zeros here, and the ranks' rows are summed."""
+    another rank holds reads zeros here, and the ranks' rows are summed. Adapters' embedding-side
+    parts (vocab_adapters.py) apply to the rank's tokens before the sum."""
 
     def __init__(self, vocab_size: int, hidden: int, parallel: Collectives, dtype, device):
         super().__init__()
@@ -55,13 +57,19 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(stop - self.start, hidden, dtype=dtype, device=device), False)
         self.parallel = parallel
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, vocab: VocabBatch | None, parts: VocabParts) -> torch.Tensor:
         if self.parallel.size == 1:
-            return F.embedding(token_ids, self.weight)  # [tokens, hidden]
+            x = F.embedding(token_ids, self.weight)  # [tokens, hidden]
+            if vocab is not None:
+                add_embedding_terms(x, token_ids, vocab, parts)
+            return x
         local = token_ids - self.start
         elsewhere = (local < 0) | (local >= self.weight.shape[0])  # [tokens]
-        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # [tokens, hidden]
-        return self.parallel.all_reduce(x.masked_fill_(elsewhere[:, None], 0))
+        local = local.masked_fill(elsewhere, 0)
+        x = F.embedding(local, self.weight).masked_fill_(elsewhere[:, None], 0)  # [tokens, hidden]
+        if vocab is not None:
+            add_embedding_terms(x, local, vocab, parts)
+        return self.parallel.all_reduce(x)
 
 
 class Attention(nn.Module):
@@ -171,6 +179,7 @@ class LlamaModel(nn.Module):
             torch.zeros(cfg.num_layers, lora_units * lora_unit, dtype=dtype, device=device),
             persistent=False,
         )
+        self.vocab_parts = VocabParts(self.lora_pool, lora_unit)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel, dtype, device)
         place = Placement(dtype, device, quantization, parallel)
         self.layers = nn.ModuleList(
@@ -188,12 +197,15 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Returns logits [logit_rows, vocab] in fp32."""
-        x = self.embed_tokens(batch.token_ids)  # [tokens, hidden]
+        x = self.embed_tokens(batch.token_ids, batch.vocab, self.vocab_parts)  # [tokens, hidden]
         cos, sin = cos_sin(self.inv_freq, batch.positions, x.dtype)  # [tokens, hd] each, for every layer
         for layer in self.layers:
             x = layer(x, batch, cache, cos, sin)
         x = self.norm(x[batch.logit_rows])  # [rows, hidden]
-        logits = self.parallel.all_gather(F.linear(x, self.lm_head))  # [rows, ranks * vocab rows]
+        logits = F.linear(x, self.lm_head)  # [rows, vocab rows]
+        if batch.vocab is not None:
+            add_head_terms(logits, x, batch.vocab, self.vocab_parts)
+        logits = self.parallel.all_gather(logits)  # [rows, ranks * vocab rows]
         return logits[:, : self.cfg.vocab_size].float()  # [rows, vocab]
 
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.nf4_linear import BLOCK as NF4_BLOCK
+from shared.adapter_weights import AdapterWeights, ModuleLora, TokenRows, VocabWeights
 from shared.errors import InvalidArgument
 from shared.model_config import COLUMN_PARALLEL, ROW_PARALLEL, ModelConfig
-from shared.peft_checkpoint import AdapterWeights, ModuleLora
 
 COLUMN, ROW = COLUMN_PARALLEL, ROW_PARALLEL
 REPLICATED = ("router", "shared_expert_gate")
@@ -121,7 +121,30 @@ class Shard:
         modules = {
             key: self._module(lora, cfg, key[1], ranks[key[1]]) for key, lora in weights.modules.items()
         }
-        return replace(weights, modules=modules)
+        return replace(weights, modules=modules, vocab=self._vocab_part(weights.vocab, cfg.vocab_size))
+
+    def _vocab_part(self, vocab: VocabWeights, vocab_size: int) -> VocabWeights:
+        """The vocabulary side on this rank's rows of the embedding and head (vocab()): their rows
+        of the adapter's own matrices and of A (embedding) or B (head), zeros past the vocabulary;
+        the re-trained rows among them, named by their ids less the rank's first row."""
+        start, stop = self.vocab(vocab_size)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:  # [vocab, n] -> [stop - start, n]
+            return None if t is None else F.pad(t[start:stop], (0, 0, 0, stop - min(stop, vocab_size)))
+
+        def token_rows(tr: TokenRows | None) -> TokenRows | None:
+            kept = [n for n, i in enumerate(tr.indices) if start <= i < stop] if tr else []
+            return tr and TokenRows(tuple(tr.indices[n] - start for n in kept), tr.rows[kept])
+
+        embed_lora, head_lora = vocab.embed_lora, vocab.head_lora
+        return VocabWeights(
+            embed_lora=embed_lora and ModuleLora(rows(embed_lora.a.T).T, embed_lora.b_t),
+            head_lora=head_lora and ModuleLora(head_lora.a, rows(head_lora.b_t.T).T),
+            embed=rows(vocab.embed),
+            head=rows(vocab.head),
+            embed_rows=token_rows(vocab.embed_rows),
+            head_rows=token_rows(vocab.head_rows),
+        )
 
     def _module(self, lora: ModuleLora, cfg: ModelConfig, target: str, rank: int) -> ModuleLora:
         """This rank's part of one module's LoRA; `rank`: the target's largest over layers."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from inference_service.model.base_weight import Int8Weight
-from inference_service.model.checkpoint import Checkpoint, Part, Rows, Target, checkpoint_files
+from inference_service.model.checkpoint import Checkpoint, Part, Rows, Target
 from inference_service.model.model import LlamaModel
 from inference_service.model.quantized_weights import (
     INT8_DATA,
@@ -20,6 +20,7 @@ from inference_service.model.quantized_weights import (
     load_nf4,
 )
 from inference_service.model.shard import ROW, Shard
+from shared.checkpoint_files import checkpoint_files
 from shared.errors import InvalidArgument
 from shared.model_config import MODULE_PARENTS, ModelConfig, peft_path
 

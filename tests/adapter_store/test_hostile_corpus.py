@@ -104,14 +104,18 @@ def _oversize(folder: Path) -> None:
 # name -> (edit of a good rank-4 q/v adapter, expected code, text the message must contain)
 CORPUS = {
     "dora": (_config(use_dora=True), INVALID, "DoRA"),
-    "modules-to-save": (_config(modules_to_save=["lm_head"]), INVALID, "modules_to_save"),
+    "modules-to-save": (_config(modules_to_save=["lm_head"]), INVALID, "lack lm_head.weight"),
     "trained-bias": (_config(bias="all"), INVALID, "bias='all'"),
     "not-lora": (_config(peft_type="PREFIX_TUNING"), INVALID, "PREFIX_TUNING"),
     "rank-above-max": (_config(r=32, lora_alpha=64), INVALID, "r=32"),
     "config-rank-mismatch": (_config(r=8), INVALID, "says r=8"),
     "alpha-not-number": (_config(lora_alpha="big"), INVALID, "lora_alpha"),
     "unknown-target": (_config(target_modules=["q_proj", "c_attn"]), PRECONDITION, "c_attn"),
-    "lm-head-target": (_config(target_modules=["q_proj", "v_proj", "lm_head"]), PRECONDITION, "lm_head"),
+    "lm-head-target": (
+        _config(target_modules=["q_proj", "v_proj", "lm_head"]),
+        INVALID,
+        "lack lm_head.lora_A",
+    ),
     "config-not-json": (lambda f: (f / CONFIG).write_text("{r: 4"), INVALID, "not valid JSON"),
     "config-a-list": (lambda f: (f / CONFIG).write_text("[4]"), INVALID, "JSON object"),
     "config-missing": (lambda f: (f / CONFIG).unlink(), INVALID, CONFIG),

@@ -72,13 +72,26 @@ def test_pickle_checkpoint_is_refused_and_never_unpickled(adapter, model_config,
     ("changes", "error", "message"),
     [
         (dict(use_dora=True), InvalidArgument, r"DoRA"),
-        (dict(modules_to_save=["lm_head"]), InvalidArgument, r"modules_to_save"),
+        (
+            dict(modules_to_save=["lm_head"]),
+            InvalidArgument,
+            r"modules_to_save names lm_head, but the weights lack lm_head.weight",
+        ),
+        (
+            dict(modules_to_save=["model.norm"]),
+            InvalidArgument,
+            r"modules_to_save names 'model.norm'.*embed_tokens and lm_head only",
+        ),
         (dict(bias="all"), InvalidArgument, r"bias='all'"),
         (dict(bias="lora_only"), InvalidArgument, r"bias='lora_only'"),
         (dict(peft_type="IA3"), InvalidArgument, r"peft_type 'IA3'"),
         (dict(r=0), InvalidArgument, r"r must be a positive integer"),
         (dict(target_modules=["q_proj", "c_attn"]), FailedPrecondition, r"'c_attn' is not in the base model"),
-        (dict(target_modules=["q_proj", "lm_head"]), FailedPrecondition, r"'lm_head'.*not supported"),
+        (
+            dict(target_modules=["q_proj", "v_proj", "lm_head"]),
+            InvalidArgument,
+            r"target_modules\) names lm_head, but the weights lack lm_head.lora_A.weight",
+        ),
         (dict(target_modules=r".*\.nothing_here"), FailedPrecondition, r"matches no module"),
         (
             dict(target_modules=["q_proj"]),

@@ -18,7 +18,6 @@ from inference_service.engine.adapter_memory import (
     memory_units,
     page_units,
     slot_memory,
-    unit_bytes,
     unit_elements,
 )
 from inference_service.engine.config import EngineConfig
@@ -55,7 +54,7 @@ def _units(need: tuple[int, ...]) -> int:
 
 def test_smollm2_unit_divides_every_page():
     assert unit_elements(SMOLLM2) == 1536
-    assert page_units(SMOLLM2) == SMOLLM2_PAGES
+    assert page_units(SMOLLM2) == (*SMOLLM2_PAGES, 1)  # then the vocabulary side's run: a unit a page
 
 
 QWEN3_30B_A3B = ModelConfig.from_dict(QWEN3_30B_A3B_CONFIG)
@@ -65,8 +64,8 @@ def test_an_expert_targets_page_holds_every_experts_rank_rows():
     """q, k, v, o, router, then gate, up, down of all 128 experts: a page of an expert target is
     128 expert-sized pages, so an adapter on the experts takes 128 times a dense layer's bytes."""
     assert unit_elements(QWEN3_30B_A3B) == 8 * 128  # gcd(6144, 2560, 2176, 2816) = 128
-    assert page_units(QWEN3_30B_A3B) == (48, 20, 20, 48, 17, 128 * 22, 128 * 22, 128 * 22)
-    down_rank8 = (0, 0, 0, 0, 0, 0, 0, 1)
+    assert page_units(QWEN3_30B_A3B) == (48, 20, 20, 48, 17, 128 * 22, 128 * 22, 128 * 22, 1)
+    down_rank8 = (0, 0, 0, 0, 0, 0, 0, 1, 0)
     assert adapter_bytes(QWEN3_30B_A3B, down_rank8, torch.bfloat16) == 48 * 128 * 8 * (768 + 2048) * 2
     rank16 = slot_memory(QWEN3_30B_A3B, 1, 16, torch.bfloat16)
     assert rank16 == 48 * 2 * 8 * (6144 + 2560 * 2 + 6144 + 2176 + 3 * 128 * 2816) * 2
@@ -110,15 +109,15 @@ def test_on_cuda_adapter_memory_past_the_gpu_is_refused_before_anything_is_alloc
 
 
 def test_adapter_bytes_scale_with_rank_and_targets():
-    small = adapter_bytes(SMOLLM2, QV_RANK8, torch.bfloat16)
+    small = adapter_bytes(SMOLLM2, (*QV_RANK8, 0), torch.bfloat16)
     assert small == 30 * (6 + 4) * 1536 * 2
-    assert 8 * small == adapter_bytes(SMOLLM2, QV_RANK64, torch.bfloat16)
-    assert adapter_bytes(SMOLLM2, QV_RANK8, torch.float32) == 2 * small
+    assert 8 * small == adapter_bytes(SMOLLM2, (*QV_RANK64, 0), torch.bfloat16)
+    assert adapter_bytes(SMOLLM2, (*QV_RANK8, 0), torch.float32) == 2 * small
 
 
 def test_slot_memory_holds_exactly_that_many_full_adapters():
     memory = slot_memory(SMOLLM2, 4, 64, torch.bfloat16)
-    assert memory == 4 * adapter_bytes(SMOLLM2, ALL_RANK64, torch.bfloat16)
+    assert memory == 4 * adapter_bytes(SMOLLM2, (*ALL_RANK64, 0), torch.bfloat16)
     assert memory_units(SMOLLM2, memory, torch.bfloat16) == 4 * _units(ALL_RANK64)
     assert memory_units(SMOLLM2, memory - 1, torch.bfloat16) == 4 * _units(ALL_RANK64) - 1
     assert slot_memory(SMOLLM2, 1, 12, torch.bfloat16) == slot_memory(SMOLLM2, 1, 16, torch.bfloat16)
@@ -304,7 +303,7 @@ def test_a_tensor_parallel_rank_accounts_for_its_part_of_an_adapter(rank, tiny_m
     for shard in (Shard(0, 1), Shard(0, 2), Shard(0, 2, fully_sharded=True)):
         image = AdapterImage.of(weights, model, torch.float32, shard)
         rank_model = shard.config(model)
-        memory = AdapterMemory(4096, page_units(rank_model), unit_bytes(rank_model, torch.float32))
+        memory = AdapterMemory.for_model(4096, rank_model, torch.float32)
         assert memory.bytes_for(image.need) == sum(p.numel() * p.element_size() for p in image.pages)
         held.append(memory.bytes_for(image.need))
     one, split, fully = held

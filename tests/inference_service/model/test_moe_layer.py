@@ -74,7 +74,7 @@ def _reference(x: torch.Tensor, router, w13, w2) -> tuple[torch.Tensor, torch.Te
 def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer():
     gen = torch.Generator().manual_seed(0)
     unit, units = unit_elements(MODEL), sum(page_units(MODEL))  # room for one rank-8 adapter
-    memory = AdapterMemory(units, page_units(MODEL))
+    memory = AdapterMemory.for_model(units, MODEL, torch.float32)
     pool = torch.zeros(units * unit)  # the layer's adapter memory
     layer = SparseMoe(MODEL, pool, unit, Placement(torch.float32, "cpu"))
     for weight in (layer.router.base.weight, layer.w13, layer.w2):
@@ -87,7 +87,7 @@ def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer(
             pool[u * unit : u * unit + page.shape[1]] = page[0]  # layer 0 of the page
     x = torch.randn(TOKENS, MODEL.hidden_size, generator=gen)
     slots = [slot if t % 3 else -1 for t in range(TOKENS)]  # every third token on the base layer
-    pages = {slot: AdapterPages(image.ranks, memory.pages(slot))}
+    pages = {slot: AdapterPages(image.ranks, memory.pages(slot)[:-1])}  # the LoRA targets' pages
     batch = SimpleNamespace(lora=LoraBatch.build(slots, pages), kernels=False)
 
     ours = layer(x, batch)

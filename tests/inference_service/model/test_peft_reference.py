@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
-from inference_service.engine.adapter_memory import AdapterMemory, page_units
+from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
+from shared.base_vocab import BaseVocab
 from shared.peft_checkpoint import load_peft_adapter
 from tests.conftest import TINY_ADAPTERS
 from tests.fp32_agreement import assert_fp32_agrees
@@ -73,7 +74,8 @@ class Peft:
 
 def _image(runner: ModelRunner, name: str, path) -> AdapterImage:
     """The adapter's image as the runner's rank holds it."""
-    weights = load_peft_adapter(name, path, runner.model_config, runner.config.max_lora_rank, torch.float32)
+    model, base = runner.model_config, BaseVocab(runner.config.model, runner.model_config)
+    weights = load_peft_adapter(name, path, model, runner.config.max_lora_rank, torch.float32, base)
     return AdapterImage.of(weights, runner.model_config, torch.float32, runner.parallel.shard)
 
 
@@ -95,11 +97,13 @@ def _runner(
         ),
         parallel,
     )
-    memory = AdapterMemory(runner.lora_units, page_units(runner.rank_config))
+    memory = AdapterMemory.for_model(runner.lora_units, runner.rank_config, runner.config.torch_dtype)
     slots = {}
     for name, path in adapter_dirs.items():
         image = _image(runner, name, path)
-        filler, _ = memory.acquire(f"filler-{name}", (1,) * len(runner.model_config.lora_targets))  # a gap
+        filler, _ = memory.acquire(
+            f"filler-{name}", (1,) * len(runner.model_config.lora_targets) + (0,)
+        )  # a gap
         slots[name], _ = memory.acquire(name, image.need)
         runner.load_slot(slots[name], image, memory.pages(slots[name]))
         memory.release(filler)
@@ -127,16 +131,17 @@ def assert_decode_agrees(
     seed: int,
     kernels: bool = False,
     context=lambda: "",
+    prompts: list[list[int]] | None = None,
 ) -> None:
-    """A mixed batch of random prompts, one per row (adapter name or None, length), prefilled then
-    decoded greedily for `steps` steps on the reference's tokens: every step's logits as close to
-    the reference's float64 forward as its fp32 forward is (reference.logits gives both), and the
-    greedy tokens equal. context(): what a failing token comparison should also say."""
+    """A mixed batch of random prompts (or `prompts`), one per row (adapter name or None, length),
+    prefilled then decoded greedily for `steps` steps on the reference's tokens: every step's
+    logits as close to the reference's float64 forward as its fp32 forward is (reference.logits
+    gives both), and the greedy tokens equal. context(): what a failing token comparison should also say."""
     blocks = BlockManager(runner.num_blocks)
     gen = torch.Generator().manual_seed(seed)
-    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
+    sequences = prompts or [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
     adapters = [a for a, _ in rows]
-    tables = [blocks.allocate(-(-(n + steps) // runner.config.block_size)) for _, n in rows]
+    tables = [blocks.allocate(-(-(len(s) + steps) // runner.config.block_size)) for s in sequences]
     slot_of = [-1 if a is None else slots[a] for a in adapters]
     logits = runner.forward(
         [SequenceInput(s, 0, t, slot) for s, t, slot in zip(sequences, tables, slot_of, strict=True)],
