@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.adapters.host_tier import HostTier, ReadyAdapter, Version
 from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_manager import BlockManager, adapter_key, chain
@@ -174,7 +175,7 @@ class Scheduler:
                     continue
                 need = ready.image.need
                 if resident is None and not self.memory.fits(need):
-                    schedule.refused.append((seq, self._too_large(seq, need)))
+                    schedule.refused.append((seq, self._too_large(seq, ready.image)))
                     continue
                 if resident is None and not self.memory.can_acquire(ready.digest, need):
                     draining = self.memory.drain_for(need)
@@ -191,11 +192,12 @@ class Scheduler:
         usable = (seq.num_tokens - 1) // self.block_size
         return self.blocks.cached_prefix(self._hashes(seq, usable)[:usable])
 
-    def _too_large(self, seq: Sequence, need: tuple[int, ...]) -> FailedPrecondition:
+    def _too_large(self, seq: Sequence, image: AdapterImage) -> FailedPrecondition:
         total = self.memory.stats().bytes_total
+        parts = f" (of them, its {image.vocab.sizes(image.pages[-1].dtype)})" if image.vocab else ""
         return FailedPrecondition(
-            f"adapter {seq.adapter!r} needs {self.memory.bytes_for(need)} bytes of adapter memory; "
-            f"this worker has {total} in all (--adapter-memory), so it can never be loaded"
+            f"adapter {seq.adapter!r} needs {self.memory.bytes_for(image.need):,} bytes of adapter memory"
+            f"{parts}; this worker has {total:,} in all (--adapter-memory), so it can never be loaded"
         )
 
     def _start(

@@ -125,16 +125,16 @@ class Shard:
 
     def _vocab_part(self, vocab: VocabWeights, vocab_size: int) -> VocabWeights:
         """The vocabulary side on this rank's rows of the embedding and head (vocab()): their rows
-        of the adapter's own matrices and of A (embedding) or B (head), zeros past the vocabulary;
-        the re-trained rows among them, named by their ids less the rank's first row."""
+        of the adapter's own matrices and of A (embedding) or B (head), zeros past the vocabulary.
+        Re-trained rows stay whole, named by their ids less the rank's first row: every rank's
+        part is then shaped alike, and takes the same adapter memory as rank 0's."""
         start, stop = self.vocab(vocab_size)
 
         def rows(t: torch.Tensor | None) -> torch.Tensor | None:  # [vocab, n] -> [stop - start, n]
             return None if t is None else F.pad(t[start:stop], (0, 0, 0, stop - min(stop, vocab_size)))
 
         def token_rows(tr: TokenRows | None) -> TokenRows | None:
-            kept = [n for n, i in enumerate(tr.indices) if start <= i < stop] if tr else []
-            return tr and TokenRows(tuple(tr.indices[n] - start for n in kept), tr.rows[kept])
+            return tr and TokenRows(tuple(i - start for i in tr.indices), tr.rows)
 
         embed_lora, head_lora = vocab.embed_lora, vocab.head_lora
         return VocabWeights(

@@ -5,9 +5,9 @@ adapters is built once (VocabBatch) and read by both; the parts are read in plac
 memory (vocab_layout.py gives the layout).
 
 Under tensor parallelism a rank holds the vocabulary rows [start, stop) of the embedding and
-head, and each adapter's part of its vocabulary-side tensors on those rows (re-trained rows named
-by their ids less start): the terms below are computed for the tokens (and logit columns) of the
-rank's rows, before the ranks' parts meet."""
+head, and each adapter's part of its vocabulary-side tensors on those rows (its re-trained rows
+whole, named by their ids less start): the terms below are computed for the tokens (and logit
+columns) of the rank's rows, before the ranks' parts meet."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,14 +28,14 @@ class VocabPages:
 @dataclass(frozen=True)
 class AdapterTokens:
     """One adapter's share of a step on one side: its rows (token positions on the embedding side,
-    logit rows on the head side), and where it replaces rows: rows `replaced` (a subset) get the
-    adapter's rows `replacement` (embedding), or every row gets its head rows' logits."""
+    logit rows on the head side), and what its re-trained rows replace: on the embedding side the
+    rows `replaced` (some of its positions), on the head side the columns `replaced` (this rank's
+    ids of them) of every row, each by the adapter's row `replacement`."""
 
     pages: VocabPages
     rows: torch.Tensor  # [n] int64
-    replaced: torch.Tensor | None  # [m] int64: positions whose embedding rows the adapter replaces
+    replaced: torch.Tensor | None  # [m] int64: embedding rows (or head columns) the adapter replaces
     replacement: torch.Tensor | None  # [m] int64: the adapter's row each takes
-    ids: torch.Tensor | None  # [k] int64: the head's re-trained rows' columns (this rank's ids)
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class VocabBatch:
         for row, pos in enumerate(logit_rows):
             if token_slots[pos] in adapters and _has(adapters[token_slots[pos]].layout, "lm_head"):
                 heads.setdefault(token_slots[pos], []).append(row)
-        head = tuple(_head_rows(adapters[slot], rows, device) for slot, rows in heads.items())
+        head = tuple(_head_rows(adapters[slot], rows, stop - start, device) for slot, rows in heads.items())
         return cls(embed, head) if embed or head else None
 
 
@@ -82,19 +82,20 @@ def _has(layout: VocabLayout, module: str) -> bool:
 def _embed_tokens(pages: VocabPages, positions: list[int], token_ids: list[int], start: int, device):
     rows = {token: i for i, token in enumerate(pages.layout.embed_rows)}  # by the rank's own ids
     replaced = [p for p in positions if token_ids[p] - start in rows]
-    replacement = [rows[token_ids[p] - start] for p in replaced]
-    return AdapterTokens(
-        pages,
-        _tensor(positions, device),
-        _tensor(replaced, device) if replaced else None,
-        _tensor(replacement, device) if replaced else None,
-        None,
-    )
+    return _share(pages, positions, replaced, [rows[token_ids[p] - start] for p in replaced], device)
 
 
-def _head_rows(pages: VocabPages, rows: list[int], device) -> AdapterTokens:
+def _head_rows(pages: VocabPages, rows: list[int], columns: int, device) -> AdapterTokens:
+    """`columns`: this rank's logit columns; the re-trained rows among them replace theirs."""
+    ids = [(i, n) for n, i in enumerate(pages.layout.head_rows) if 0 <= i < columns]
+    return _share(pages, rows, [i for i, _ in ids], [n for _, n in ids], device)
+
+
+def _share(pages: VocabPages, rows: list[int], replaced: list[int], replacement: list[int], device):
+    if not replaced:
+        return AdapterTokens(pages, _tensor(rows, device), None, None)
     return AdapterTokens(
-        pages, _tensor(rows, device), None, None, _tensor(list(pages.layout.head_rows), device)
+        pages, _tensor(rows, device), _tensor(replaced, device), _tensor(replacement, device)
     )
 
 
@@ -156,5 +157,6 @@ def add_head_terms(logits: torch.Tensor, h: torch.Tensor, batch: VocabBatch, par
         elif "lm_head.lora_a" in names:
             s = parts.times(hr, pages, "lm_head.lora_a")  # [n, r]
             logits[rows] += parts.times(s, pages, "lm_head.lora_b_t")  # [n, vocab rows]
-        elif share.ids.numel():  # re-trained rows, `ids` the rank's columns of them
-            logits[rows[:, None], share.ids[None, :]] = parts.times(hr, pages, "lm_head.token_rows")
+        elif share.replaced is not None:  # re-trained rows, on this rank's columns
+            delta = parts.rows(pages, "lm_head.token_rows", share.replacement)  # [m, hidden]
+            logits[rows[:, None], share.replaced[None, :]] = hr @ delta.T  # [n, m]

@@ -60,6 +60,13 @@ class VocabLayout:
         rows = vocab.token_indices
         return cls(parts, offset, tuple(rows.get("embed_tokens", ())), tuple(rows.get("lm_head", ())))
 
+    def sizes(self, dtype: torch.dtype) -> str:
+        """Each part's shape and bytes, for messages."""
+        return "; ".join(
+            f"{name} [{part.rows}, {part.cols}] {part.rows * part.cols * dtype.itemsize:,} bytes"
+            for name, part in self.parts.items()
+        )
+
     def units(self, unit: int) -> int:
         """Units of adapter memory the run takes (`unit` elements per layer each)."""
         return -(-self.width // unit)

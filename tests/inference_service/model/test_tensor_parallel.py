@@ -78,12 +78,14 @@ def _assert_ranks_agree(
     fully_sharded: bool = False,
     kernels: bool = False,
     quantization: str = "none",
+    prompts: list[list[int]] | None = None,
 ):
-    """The prefill of one random prompt per row (adapter name or None, length), then
-    `decode_steps` greedy steps on the reference's tokens, on `size` ranks: every step's logits
-    as close to the reference's float64 forward as its fp32 forward is, greedy tokens equal."""
+    """The prefill of one random prompt (or `prompts`) per row (adapter name or None, length),
+    then `decode_steps` greedy steps on the reference's tokens, on `size` ranks: every step's
+    logits as close to the reference's float64 forward as its fp32 forward is, greedy tokens
+    equal."""
     gen = torch.Generator().manual_seed(seed)
-    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
+    sequences = prompts or [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
     adapters = [a for a, _ in rows]
     expected = [reference.logits(sequences, adapters)]  # per step: (fp32, float64) per sequence
     steps, grown = [], sequences

@@ -12,9 +12,10 @@ from tests.conftest import TINY_MOE, build_tiny_model
 from tests.inference_service.model.test_moe_reference import PerAdapterPeft
 
 from .test_peft_reference import _runner, assert_decode_agrees
+from .test_tensor_parallel import _assert_ranks_agree
 
 TOKENS = [5, 17, 33, 101]  # re-trained rows; every prompt holds some of them
-HEAD_TOKENS = [7, 40, 120]
+HEAD_TOKENS = [7, 40, 120]  # on ranks 0, 1 and 3 of 4 (40 rows each)
 LINEAR = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 KINDS = {
     "embed": dict(r=4, lora_alpha=8, target_modules=["embed_tokens"]),
@@ -84,7 +85,7 @@ def _rows_and_prompts(names: list[str]) -> tuple[list, list[list[int]]]:
     gen = torch.Generator().manual_seed(3)
     prompts = []
     for i in range(len(adapters)):
-        prompt = torch.randint(3, 160, (5 + i % 4,), generator=gen).tolist()
+        prompt = torch.randint(3, 158, (5 + i % 4,), generator=gen).tolist()
         prompt[1::3] = [(TOKENS + HEAD_TOKENS)[(i + j) % 7] for j in range(len(prompt[1::3]))]
         prompts.append(prompt)
     return [(a, len(p)) for a, p in zip(adapters, prompts, strict=True)], prompts
@@ -96,3 +97,21 @@ def test_every_vocabulary_side_adapter_kind_matches_peft_in_one_mixed_batch(voca
     runner, slots, _ = _runner(model_dir, adapter_dirs)
     rows, prompts = _rows_and_prompts(list(adapter_dirs))
     assert_decode_agrees(runner, slots, reference, rows, DECODE_STEPS, seed=0, prompts=prompts)
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["split", "fully-sharded"])
+def test_four_ranks_hold_their_vocabulary_rows_of_every_part_and_give_pefts_tokens(fully_sharded, tmp_path):
+    """Each rank holds its rows of the embedding and head and of every adapter's parts on them
+    (158 tokens: 40 rows a rank, the last one's two past the vocabulary), re-trained rows on
+    three of the four; tokens and logits as on one rank."""
+    model_dir = build_tiny_model(tmp_path / "model", "qwen2", vocab_size=158)
+    kinds = KINDS | UNTIED_KINDS
+    adapters = {
+        name: build_vocab_adapter(model_dir, tmp_path / name, i + 1, **lora)
+        for i, (name, lora) in enumerate(kinds.items())
+    }
+    reference = PerAdapterPeft(model_dir, adapters)
+    rows, prompts = _rows_and_prompts(list(adapters))
+    _assert_ranks_agree(
+        4, model_dir, adapters, reference, rows, 4, seed=0, fully_sharded=fully_sharded, prompts=prompts
+    )
