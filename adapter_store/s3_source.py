@@ -13,6 +13,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
 from adapter_store.config import StoreConfig
+from shared import peft_vocab
 from shared.errors import InvalidArgument, LoramuxError, NotFound, PermissionDenied, Unavailable
 
 
@@ -48,16 +49,21 @@ class S3Source:
                 yield body
 
     def _list_sizes(self) -> dict[str, int]:
-        """Checkpoint file name -> bytes, for the objects directly under the prefix."""
+        """Checkpoint file name -> bytes, for the objects directly under the prefix that a
+        checkpoint's files are named like (the adapter's, and PEFT's old file of added tokens,
+        which is refused by name)."""
+        sizes = {}
         with self._errors(self.uri):
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self._bucket, Prefix=self._key_prefix + "adapter_", Delimiter="/"
-            )
-            return {
-                obj["Key"].removeprefix(self._key_prefix): obj["Size"]
-                for page in pages
-                for obj in page.get("Contents", ())
-            }
+            for start in ("adapter_", peft_vocab.NEW_EMBEDDINGS_FILE):
+                pages = self._client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self._bucket, Prefix=self._key_prefix + start, Delimiter="/"
+                )
+                sizes |= {
+                    obj["Key"].removeprefix(self._key_prefix): obj["Size"]
+                    for page in pages
+                    for obj in page.get("Contents", ())
+                }
+        return sizes
 
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:

@@ -242,7 +242,8 @@ def _tensor_key(
     if not match or match[2] not in MODULE_PARENTS:
         raise FailedPrecondition(
             f"{where}: tensor {quoted(name)} is not a LoRA tensor (layers.<layer>.<module>.lora_a or "
-            f".lora_b_t, module one of {', '.join(MODULE_PARENTS)})"
+            f".lora_b_t, module one of {', '.join(MODULE_PARENTS)}; or embed_tokens. or lm_head. then "
+            "lora_a, lora_b_t, weight or token_rows)"
         )
     layer, module = int(match[1]), match[2]
     if model and module not in model.lora_targets:

@@ -180,7 +180,7 @@ def _check_base_copy(module: str, copy: torch.Tensor, base: BaseVocab | None, wh
             f"{where}: {name} can only be checked against the base model's weights, and none are known here"
         )
     if not torch.equal(base.weight(module).to(copy.dtype), copy):
-        raise InvalidArgument(
+        raise FailedPrecondition(
             f"{where}: {name} differs from the base model's {module} weights: the adapter was trained "
             "on another base model (or a resized vocabulary)"
         )
