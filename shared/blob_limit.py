@@ -15,12 +15,16 @@ METADATA_BYTES = 1 << 16  # safetensors header beyond the tensors' entries
 def largest_adapter_file(model: ModelConfig, rank: int) -> int:
     """Bytes of an adapter of `rank` on every LoRA target of `model`, A and B of every layer and
     expert in float32, with a header entry per expert matrix (PEFT writes one per expert; a blob,
-    fewer, stacked per module)."""
+    fewer, stacked per module); and on the embedding and the head, LoRA with the copy of the base
+    layer PEFT saves beside it (the largest part a side can have: an own copy or re-trained rows
+    take at most the copy's bytes)."""
     shapes = model.linear_shapes().values()
     elements = sum(s.experts * (s.in_features + s.out_features) for s in shapes)  # per rank row, one layer
     entries = 2 * sum(s.experts for s in shapes)  # per layer
     layers = model.num_layers
-    return layers * (rank * elements * WIDEST_ITEMSIZE + entries * ENTRY_BYTES) + METADATA_BYTES
+    vocab, hidden = model.vocab_size, model.hidden_size
+    sides = 2 * ((vocab * hidden + rank * (vocab + hidden)) * WIDEST_ITEMSIZE + 3 * ENTRY_BYTES)
+    return layers * (rank * elements * WIDEST_ITEMSIZE + entries * ENTRY_BYTES) + sides + METADATA_BYTES
 
 
 def default_max_adapter_bytes(model: ModelConfig | None, rank: int) -> int:

@@ -22,9 +22,26 @@ ATTENTION = {
 EXPERT = {"gate_proj": (2048, 768), "up_proj": (2048, 768), "down_proj": (768, 2048)}
 
 
+VOCAB, HIDDEN = 151936, 2048
+
+
+def vocab_side(rank: int) -> dict[str, list[int]]:
+    """PEFT's tensors of LoRA on embed_tokens and lm_head, with the base layers' copies it saves."""
+    embed, head = "base_model.model.model.embed_tokens", "base_model.model.lm_head"
+    return {
+        f"{embed}.lora_embedding_A": [rank, VOCAB],
+        f"{embed}.lora_embedding_B": [HIDDEN, rank],
+        f"{embed}.base_layer.weight": [VOCAB, HIDDEN],
+        f"{head}.lora_A.weight": [rank, HIDDEN],
+        f"{head}.lora_B.weight": [VOCAB, rank],
+        f"{head}.base_layer.weight": [VOCAB, HIDDEN],
+    }
+
+
 def peft_file_bytes(rank: int, dtype: str, itemsize: int) -> int:
     """The size of adapter_model.safetensors of a rank-`rank` adapter on every module, each
-    expert's own: 8 bytes of header length, the header JSON padded to 8, then the data."""
+    expert's own, the embedding and the head: 8 bytes of header length, the header JSON padded
+    to 8, then the data."""
     modules = dict(ATTENTION)
     modules |= {f"mlp.experts.{e}.{name}": shape for e in range(128) for name, shape in EXPERT.items()}
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -36,6 +53,10 @@ def peft_file_bytes(rank: int, dtype: str, itemsize: int) -> int:
                 name = f"base_model.model.model.layers.{layer}.{module}.{part}.weight"
                 header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
                 offset += size
+    for name, shape in vocab_side(rank).items():
+        size = shape[0] * shape[1] * itemsize
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":"))
     return 8 + len(text) + -len(text) % 8 + offset
 
@@ -50,7 +71,7 @@ def test_the_default_takes_the_largest_peft_file_of_the_rank_on_qwen3_30b_a3b(ra
     largest = peft_file_bytes(rank, "F32", 4)
     assert largest <= limit < largest * 1.01
     assert limit == largest_adapter_file(QWEN3_30B_A3B, rank)
-    assert {16: 3_391_676_416, 64: 13_537_828_864}[rank] == limit
+    assert {16: 5_900_707_328, 64: 16_105_989_632}[rank] == limit
 
 
 def test_without_a_model_or_on_a_small_one_the_default_stays_1_gib():

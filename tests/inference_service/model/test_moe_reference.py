@@ -72,14 +72,17 @@ class PerAdapterPeft:
     """transformers + PEFT in fp32 and float64, one model per adapter (PEFT runs one adapter with
     target_parameters at a time) and the base model alone."""
 
-    def __init__(self, model_dir, adapter_dirs):
+    def __init__(self, model_dir, adapter_dirs, base=None):
+        """base(dtype): a fresh base model in fp32 or float64 (by default the folder's, eager)."""
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        def base(dtype):
+        def eager(dtype):
             return AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=dtype, experts_implementation="eager"
             )
+
+        base = base or eager
 
         self.models = {
             name: [

@@ -86,20 +86,30 @@ def _replace_linears(model: nn.Module, replace) -> None:
                 setattr(parent, name, replace(child))
 
 
-def _quantized_peft(model_dir, adapter_dirs, quantization: str) -> Peft:
+def quantized_base(model_dir, quantization: str):
+    """base(dtype): the model with its decoder's linear layers quantized as the references hold them
+    (fp32), or dequantized (float64: the fp32 dequantized values, exact)."""
     from transformers import AutoModelForCausalLM
-
-    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    _replace_linears(fp32, REFERENCES[quantization])
-    fp64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     def dequantized(linear: nn.Linear) -> nn.Linear:
         linear.weight.data = _dequantized(linear.weight.data, quantization).float()
         return linear
 
-    _replace_linears(fp64, dequantized)
-    fp64 = fp64.to(torch.float64)  # fp32 dequantized values, now exact in float64
-    return Peft(model_dir, adapter_dirs, [_with_adapters(m, adapter_dirs) for m in (fp32, fp64)])
+    def base(dtype):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        _replace_linears(model, REFERENCES[quantization] if dtype == torch.float32 else dequantized)
+        return model.to(dtype)
+
+    return base
+
+
+def _quantized_peft(model_dir, adapter_dirs, quantization: str) -> Peft:
+    base = quantized_base(model_dir, quantization)
+    return Peft(
+        model_dir,
+        adapter_dirs,
+        [_with_adapters(base(d), adapter_dirs) for d in (torch.float32, torch.float64)],
+    )
 
 
 @pytest.mark.parametrize("quantization", ["int8", "nf4"])

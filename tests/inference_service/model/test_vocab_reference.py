@@ -115,3 +115,20 @@ def test_four_ranks_hold_their_vocabulary_rows_of_every_part_and_give_pefts_toke
     _assert_ranks_agree(
         4, model_dir, adapters, reference, rows, 4, seed=0, fully_sharded=fully_sharded, prompts=prompts
     )
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_vocabulary_side_adapters_on_a_quantized_base_match_peft(quantization, tmp_path):
+    """The decoder's linear layers quantized (PEFT over torchao's int8 and bitsandbytes' NF4
+    layers; float64 over their dequantized weights), the embedding and head dense."""
+    from .test_quantized_reference import quantized_base
+
+    model_dir = build_tiny_model(tmp_path / "model", "qwen2", intermediate_size=128)  # whole NF4 blocks
+    adapters = {
+        name: build_vocab_adapter(model_dir, tmp_path / name, i + 1, **lora)
+        for i, (name, lora) in enumerate(KINDS.items())
+    }
+    reference = PerAdapterPeft(model_dir, adapters, quantized_base(model_dir, quantization))
+    runner, slots, _ = _runner(model_dir, adapters, quantization)
+    rows, prompts = _rows_and_prompts(list(adapters))
+    assert_decode_agrees(runner, slots, reference, rows, DECODE_STEPS, seed=0, prompts=prompts)
