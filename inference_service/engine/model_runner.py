@@ -23,7 +23,7 @@ from inference_service.model.forward_batch import ForwardBatch, SequenceInput
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.model import LlamaModel, model_bytes
 from inference_service.model.moe import expert_weight_bytes
-from inference_service.model.vocab_adapters import VocabPages
+from inference_service.model.vocab_batch import VocabPages
 from inference_service.model.weights import load_weights
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import ModelConfig
@@ -267,7 +267,7 @@ class ModelRunner:
         torch._foreach_copy_(targets, sources, non_blocking=True)
         self._adapters[slot] = AdapterPages(image.ranks, pages[:-1])
         if image.vocab is not None:
-            self._vocab[slot] = VocabPages(pages[-1][0], image.vocab)
+            self._vocab[slot] = VocabPages(pages[-1][0] * unit, image.vocab)
 
     def clear_slot(self, slot: int) -> None:
         """`slot` serves no adapter any more (its pages go back to the adapter memory)."""

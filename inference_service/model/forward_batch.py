@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_service.model.attention import AttentionMetadata, SequenceChunk
-from inference_service.model.vocab_adapters import VocabBatch, VocabPages
+from inference_service.model.vocab_batch import VocabBatch, VocabPages
 from kernels.lora_batch import AdapterPages, LoraBatch
 
 
@@ -69,5 +69,7 @@ class ForwardBatch:
             if all_logits
             else torch.tensor(last_rows, dtype=torch.int64, device=device),
             kernels=kernels,
-            vocab=VocabBatch.build(token_ids, slots, rows, vocab_adapters or {}, vocab_range, device),
+            vocab=VocabBatch.build(
+                token_ids, slots, rows, vocab_adapters or {}, vocab_range, device, kernels
+            ),
         )

@@ -13,7 +13,8 @@ from inference_service.model.moe import SparseMoe
 from inference_service.model.placement import Placement
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from inference_service.model.shard import Shard
-from inference_service.model.vocab_adapters import VocabBatch, VocabParts, add_embedding_terms, add_head_terms
+from inference_service.model.vocab_adapters import VocabParts, add_embedding_terms, add_head_terms
+from inference_service.model.vocab_batch import VocabBatch
 from shared.model_config import ModelConfig
 
 
@@ -179,7 +180,7 @@ class LlamaModel(nn.Module):
             torch.zeros(cfg.num_layers, lora_units * lora_unit, dtype=dtype, device=device),
             persistent=False,
         )
-        self.vocab_parts = VocabParts(self.lora_pool, lora_unit)
+        self.vocab_parts = VocabParts(self.lora_pool)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel, dtype, device)
         place = Placement(dtype, device, quantization, parallel)
         self.layers = nn.ModuleList(

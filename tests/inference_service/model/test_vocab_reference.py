@@ -91,12 +91,16 @@ def _rows_and_prompts(names: list[str]) -> tuple[list, list[list[int]]]:
     return [(a, len(p)) for a, p in zip(adapters, prompts, strict=True)], prompts
 
 
-def test_every_vocabulary_side_adapter_kind_matches_peft_in_one_mixed_batch(vocab_model):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
+def test_every_vocabulary_side_adapter_kind_matches_peft_in_one_mixed_batch(vocab_model, kernels):
+    """On the torch path, and on the Triton kernels' path (the parts read by vocab_rows and
+    vocab_times, attention and LoRA by theirs; in the interpreter here, 4 decode steps)."""
     model_dir, adapter_dirs = vocab_model
     reference = PerAdapterPeft(model_dir, adapter_dirs)
     runner, slots, _ = _runner(model_dir, adapter_dirs)
     rows, prompts = _rows_and_prompts(list(adapter_dirs))
-    assert_decode_agrees(runner, slots, reference, rows, DECODE_STEPS, seed=0, prompts=prompts)
+    steps = 4 if kernels else DECODE_STEPS
+    assert_decode_agrees(runner, slots, reference, rows, steps, seed=0, kernels=kernels, prompts=prompts)
 
 
 @pytest.mark.parametrize("fully_sharded", [False, True], ids=["split", "fully-sharded"])
