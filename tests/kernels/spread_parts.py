@@ -12,17 +12,17 @@ SHAPES = [(150, 8), (7, 64), (64, 5), (33, 40)]
 
 
 def spread_parts(
-    dtype: torch.dtype, device="cpu"
+    dtype: torch.dtype, device="cpu", shapes=SHAPES, layers: int = LAYERS
 ) -> tuple[torch.Tensor, list[SpreadPart], list[torch.Tensor]]:
-    """(pool [LAYERS, width], each adapter's part, each part's matrix [rows, cols])."""
+    """(pool [layers, width], each adapter's part, each part's matrix [rows, cols])."""
     gen = torch.Generator().manual_seed(0)
     parts, matrices, base = [], [], 11  # parts start off any alignment
-    for rows, cols in SHAPES:
-        per_layer = -(-rows // LAYERS)
+    for rows, cols in shapes:
+        per_layer = -(-rows // layers)
         parts.append(SpreadPart(base, rows, cols, per_layer))
         matrices.append(torch.randn(rows, cols, generator=gen).to(dtype))
         base += per_layer * cols + 5  # gaps of NaN between parts
-    pool = torch.full((LAYERS, base + 7), float("nan"), dtype=dtype)
+    pool = torch.full((layers, base + 7), float("nan"), dtype=dtype)
     for part, matrix in zip(parts, matrices, strict=True):
         for k in range(part.rows):
             start = part.base + (k % part.per_layer) * part.cols
