@@ -161,6 +161,21 @@ def moe(result: dict, path: Path) -> None:
     save(fig, path)
 
 
+def vocab_adapters(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    rates = {name.replace(" with ", "\nwith "): values for name, values in result["decode_tok_s"].items()}
+    bars_with_rounds(left, rates, "decode tok/s", "32 requests over 8 rank-16 adapters")
+    ratio = statistics.median(result["ratios"])
+    bars_with_rounds(
+        right, {"vocabulary side\n/ plain": result["ratios"]}, "decode tok/s, ratio", f"ratio {ratio:.3f}"
+    )
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    right.axhline(result["target"], color="tab:red", linewidth=0.8, linestyle="--", label="target")
+    right.legend(fontsize=7)
+    save(fig, path)
+
+
 def tensor_parallel(result: dict, path: Path) -> None:
     fig = Figure(figsize=(7.2, 3.6))
     ax = fig.add_subplot()

@@ -1,5 +1,6 @@
 """Random PEFT-format LoRA checkpoints for a base model, written without PEFT itself: on an MoE
-model the router and experts as PEFT's target_parameters saves them (shared/peft_experts.py)."""
+model the router and experts as PEFT's target_parameters saves them (shared/peft_experts.py), and
+optionally LoRA on embed_tokens and lm_head as PEFT saves it (shared/peft_vocab.py)."""
 
 import json
 from pathlib import Path
@@ -10,13 +11,24 @@ from safetensors.torch import save_file
 from shared.model_config import EXPERT_TARGETS, ModelConfig, peft_path
 
 PREFIX = "base_model.model.model.layers"
+EMBED, HEAD = "base_model.model.model.embed_tokens", "base_model.model.lm_head"
+# The vocabulary side's halves are drawn larger than the layers' (0.01): a term of this size moves
+# the greedy tokens, so a benchmark can tell that the parts were applied.
+VOCAB_SCALE = 0.1
 
 
 def write_random_adapter(
-    model: ModelConfig, folder: Path, rank: int, seed: int, targets: tuple[str, ...] | None = None
+    model: ModelConfig,
+    folder: Path,
+    rank: int,
+    seed: int,
+    targets: tuple[str, ...] | None = None,
+    vocab: bool = False,
 ) -> Path:
     """adapter_config.json + adapter_model.safetensors with non-zero A and B on `targets` (LoRA
-    targets; every one of the model's by default)."""
+    targets; every one of the model's by default); `vocab`: on embed_tokens and lm_head too
+    (without PEFT's base_layer copies), drawn after the layers', so the layers' weights of a seed
+    are the same either way."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     targets = targets or model.lora_targets
@@ -44,12 +56,15 @@ def write_random_adapter(
             hidden, inter, count = model.hidden_size, model.moe.intermediate_size, model.moe.num_experts
             in_out = (hidden, 2 * inter) if param == "experts.gate_up_proj" else (inter, hidden)
             pair(key, *in_out, stacked=count)
+    if vocab:
+        tensors |= _vocab_lora(model, rank, gen)
     save_file(tensors, folder / "adapter_model.safetensors")
+    vocab_modules = ["embed_tokens", "lm_head"] if vocab else []
     config = {
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": [peft_path(name) for name in modules],
+        "target_modules": [peft_path(name) for name in modules] + vocab_modules,
         "target_parameters": parameters,
         "bias": "none",
         "use_rslora": False,
@@ -67,3 +82,16 @@ def _moe_parameters(targets: tuple[str, ...]) -> list[str]:
     if "down_proj" in targets:
         parameters.append("experts.down_proj")
     return parameters
+
+
+def _vocab_lora(model: ModelConfig, rank: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """LoRA on embed_tokens and lm_head under PEFT's keys: the embedding's A holds a column per
+    token, the head's B a row per token."""
+    vocab, hidden = model.vocab_size, model.hidden_size
+    shapes = {
+        f"{EMBED}.lora_embedding_A": (rank, vocab),
+        f"{EMBED}.lora_embedding_B": (hidden, rank),
+        f"{HEAD}.lora_A.weight": (rank, hidden),
+        f"{HEAD}.lora_B.weight": (vocab, rank),
+    }
+    return {key: torch.randn(*shape, generator=gen) * VOCAB_SCALE for key, shape in shapes.items()}

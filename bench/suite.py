@@ -30,6 +30,7 @@ from bench import (
     slot_activation,
     store_register,
     tensor_parallel,
+    vocab_adapters,
 )
 from bench.cache import default_model_dir
 from bench.record import measure, write_record
@@ -97,6 +98,9 @@ BENCHMARKS = (
     Benchmark("moe", "Mixture of experts", moe.moe, plots.moe, 3),
     Benchmark(
         "tensor_parallel", "Tensor parallelism", tensor_parallel.tensor_parallel, plots.tensor_parallel, 3
+    ),
+    Benchmark(
+        "vocab_adapters", "Vocabulary-side adapters", vocab_adapters.vocab_adapters, plots.vocab_adapters, 5
     ),
 )
 
