@@ -171,13 +171,14 @@ def test_local_oversize_file_is_refused(checkpoint, tmp_path, dest):
 
 def test_the_default_limit_takes_any_adapter_of_max_lora_rank_on_the_base_model(tmp_path):
     """On Qwen3-30B-A3B a rank-16 adapter on every module is 1.7 GB in bfloat16; the default
-    takes rank 64 in float32 (shared/blob_limit.py), and 1 GiB stays the least it is."""
+    takes rank 64 in float32, the embedding and head with PEFT's base copies too
+    (shared/blob_limit.py), and 1 GiB stays the least it is."""
     base = tmp_path / "qwen3-30b-a3b"
     base.mkdir()
     (base / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
     flags = ["--data-dir", str(tmp_path / "data"), "--base-model", str(base)]
-    assert parse_config(flags).max_adapter_bytes == 13_537_828_864
-    assert parse_config([*flags, "--max-lora-rank", "16"]).max_adapter_bytes == 3_391_676_416
+    assert parse_config(flags).max_adapter_bytes == 16_105_989_632
+    assert parse_config([*flags, "--max-lora-rank", "16"]).max_adapter_bytes == 5_900_707_328
     assert parse_config([*flags, "--max-adapter-bytes", "5000"]).max_adapter_bytes == 5000
     assert parse_config(flags[:2]).max_adapter_bytes == 1 << 30
     with pytest.raises(InvalidArgument, match="max_adapter_bytes must not be negative, got -1"):

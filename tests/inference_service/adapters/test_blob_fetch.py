@@ -21,10 +21,11 @@ def test_flags_set_the_fetch_limits():
 
 def test_the_default_blob_limit_takes_any_adapter_of_max_lora_rank_on_the_model():
     """On Qwen3-30B-A3B a rank-16 adapter on every module is 1.7 GB in bfloat16, over the 1 GiB
-    the worker once took; the default is sized for rank max_lora_rank in float32."""
+    the worker once took; the default is sized for rank max_lora_rank in float32, the embedding
+    and head with PEFT's base copies too."""
     model = ModelConfig.from_dict(QWEN3_30B_A3B_CONFIG)
-    assert FetchLimits(0).for_model(model, 16).max_bytes == 3_391_676_416
-    assert FetchLimits(0).for_model(model, 64).max_bytes == 13_537_828_864
+    assert FetchLimits(0).for_model(model, 16).max_bytes == 5_900_707_328
+    assert FetchLimits(0).for_model(model, 64).max_bytes == 16_105_989_632
     assert FetchLimits(5000).for_model(model, 16).max_bytes == 5000
 
 

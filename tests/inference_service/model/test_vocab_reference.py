@@ -91,11 +91,18 @@ def _rows_and_prompts(names: list[str]) -> tuple[list, list[list[int]]]:
     return [(a, len(p)) for a, p in zip(adapters, prompts, strict=True)], prompts
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
-def test_every_vocabulary_side_adapter_kind_matches_peft_in_one_mixed_batch(vocab_model, kernels):
-    """On the torch path, and on the Triton kernels' path (the parts read by vocab_rows and
-    vocab_times, attention and LoRA by theirs; in the interpreter here, 4 decode steps)."""
-    model_dir, adapter_dirs = vocab_model
+def test_every_vocabulary_side_adapter_kind_matches_peft_in_one_mixed_batch(vocab_model):
+    _assert_matches_peft(*vocab_model, kernels=False)
+
+
+@pytest.mark.parametrize("vocab_model", ["llama-tied"], indirect=True)
+def test_the_triton_path_matches_peft_too(vocab_model):
+    """The parts read by vocab_rows and vocab_times, attention and LoRA by theirs (in the
+    interpreter here, 4 decode steps; the tied model has every kind)."""
+    _assert_matches_peft(*vocab_model, kernels=True)
+
+
+def _assert_matches_peft(model_dir, adapter_dirs, kernels: bool) -> None:
     reference = PerAdapterPeft(model_dir, adapter_dirs)
     runner, slots, _ = _runner(model_dir, adapter_dirs)
     rows, prompts = _rows_and_prompts(list(adapter_dirs))
