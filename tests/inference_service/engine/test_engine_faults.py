@@ -249,3 +249,25 @@ def test_a_step_that_never_returns_ends_every_request_at_the_step_timeout(
     finally:
         released.set()
         engine.stop()
+
+
+def test_an_adapter_whose_own_head_outgrows_adapter_memory_fails_naming_its_parts_sizes(tmp_path):
+    """A 2,000-token vocabulary: the adapter's own lm_head is 2000 x 64 floats, 512,000 bytes, past
+    the memory of one rank-16 adapter on every module; its request fails before any token, naming
+    the part and its bytes, and the base model's request beside it runs."""
+    from tests.conftest import build_tiny_model
+    from tests.inference_service.model.test_vocab_reference import build_vocab_adapter
+
+    model_dir = build_tiny_model(tmp_path / "model", vocab_size=2000)
+    head = dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    engine = Engine(EngineConfig(model=str(model_dir), max_loras=1, kv_cache_tokens=256, block_size=4))
+    engine.add_adapter("own_head", build_vocab_adapter(model_dir, tmp_path / "own_head", 1, **head))
+    outputs = engine.generate(_requests([("own_head", [5, 6, 7], 4), (None, [5, 6, 7], 4)]))
+    error = outputs[0].error
+    assert isinstance(error, FailedPrecondition) and not outputs[0].token_ids
+    assert "adapter 'own_head' needs" in str(error) and "lm_head.weight [2000, 64] 512,000 bytes" in str(
+        error
+    )
+    assert "--adapter-memory" in str(error)
+    assert outputs[1].error is None and len(outputs[1].token_ids) == 4
+    _assert_idle(engine)
