@@ -207,3 +207,37 @@ def test_two_ranks_on_two_gpus_give_one_gpus_tokens(tiny_models, tiny_adapters):
         finally:
             engine.stop()
     assert tokens[2, False] == tokens[1, False] == tokens[2, True]
+
+
+def test_ranks_load_vocabulary_side_parts_in_rank_zeros_pages_and_give_one_devices_tokens(tmp_path):
+    """Adapters on the embedding and head (LoRA, own copies, re-trained rows: rows of 2 of the 4
+    ranks' vocabularies, 40 tokens each), in adapter memory for few at a time: each rank
+    places its part of every adapter where rank 0 places its own, through evictions and reloads,
+    and the tokens equal the engine's on one device."""
+    from tests.conftest import build_tiny_model
+    from tests.inference_service.model.test_vocab_reference import KINDS, UNTIED_KINDS, build_vocab_adapter
+
+    model_dir = build_tiny_model(tmp_path / "model", "qwen2", vocab_size=158)
+    kinds = KINDS | UNTIED_KINDS
+    folders = {
+        name: build_vocab_adapter(model_dir, tmp_path / name, i + 1, **lora)
+        for i, (name, lora) in enumerate(kinds.items())
+    }
+    requests = [
+        Request([5, 17, 40 + i, 101, 120 - i], name, GREEDY) for i, name in enumerate([*folders, None])
+    ]
+
+    def tokens(size: int) -> list[list[int]]:
+        config = EngineConfig(model=str(model_dir), tensor_parallel_size=size, max_loras=1, max_cpu_loras=3)
+        engine = Engine(config)
+        try:
+            for name, folder in folders.items():
+                engine.add_adapter(name, folder)
+            outputs = engine.generate(requests)
+            return [o.token_ids for o in outputs], engine.stats()
+        finally:
+            engine.stop()
+
+    (one, _), (four, stats) = tokens(1), tokens(4)
+    assert four == one
+    assert stats.slots.evictions > 0 and stats.host_tier.evictions > 0
