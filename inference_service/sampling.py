@@ -19,6 +19,48 @@ MAX_STOP_CHARS = 256
 # Each generated token is looked up in stop_token_ids; 64 ids hold every end-of-turn token of any
 # tokenizer with room to spare.
 MAX_STOP_TOKEN_IDS = 64
+# A constraint is compiled when its request is submitted: its text and its choices are bounded.
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 64 << 10
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class Structured:
+    """One constraint on a request's output: a JSON schema (its JSON text), any JSON object, a
+    regex, one of `choices`, or a grammar (Lark, or GBNF with ::= rules). The engine compiles it
+    when the request is submitted (engine/grammars.py) and samples only tokens it allows."""
+
+    kind: str
+    spec: str = ""  # the schema, regex or grammar; "" for json_object and choice
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "choices", _as_tuple(self.choices, "structured.choices"))
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidArgument(
+                f"structured output kind {reprlib.repr(self.kind)} is none of {', '.join(STRUCTURED_KINDS)}"
+            )
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_CHARS:
+            raise InvalidArgument(
+                f"structured output {self.kind} must be a string of at most {MAX_STRUCTURED_CHARS} characters"
+            )
+        if (self.kind in ("json_object", "choice")) == bool(self.spec):
+            raise InvalidArgument(
+                f"structured output {self.kind} {'takes no' if self.spec else 'needs a'} text"
+            )
+        if (self.kind == "choice") != bool(self.choices):
+            raise InvalidArgument(
+                "structured output choices go with kind 'choice', and it needs at least one"
+            )
+        if len(self.choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in self.choices):
+            raise InvalidArgument(
+                f"structured output choices must be at most {MAX_CHOICES} non-empty strings"
+            )
+        if sum(len(c) for c in self.choices) > MAX_STRUCTURED_CHARS:
+            raise InvalidArgument(
+                f"structured output choices hold more than {MAX_STRUCTURED_CHARS} characters"
+            )
 
 
 def _is_int(v: object) -> bool:
@@ -42,6 +84,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # how many top logprobs to return per token
+    structured: Structured | None = None  # a constraint the output follows
 
     def __post_init__(self):
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
@@ -66,6 +109,7 @@ _CHECKS = {  # field: (is the value valid, what is allowed)
     "stop_token_ids": (lambda v: all(_is_int(i) and i >= 0 for i in v), "a list of integers >= 0"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
     "logprobs": (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in 0..{MAX_LOGPROBS}"),
+    "structured": (lambda v: v is None or isinstance(v, Structured), "None or a Structured"),
 }
 
 

@@ -30,6 +30,7 @@ from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.delta_queue import DeltaQueue
 from inference_service.engine.engine_thread import EngineThread
+from inference_service.engine.grammars import Grammars
 from inference_service.engine.inbox import Inbox
 from inference_service.engine.metrics import EngineMetrics, EngineStats
 from inference_service.engine.model_runner import ModelRunner
@@ -58,6 +59,12 @@ class Engine:
         model = self.runner.model_config
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
+        tokenizer_json = Path(config.model) / "tokenizer.json"
+        self.grammars = (
+            Grammars(tokenizer_json, model.vocab_size, self.tokenizer.eos_token_ids)
+            if has_tokenizer
+            else None
+        )
         shard = self.runner.parallel.shard
         self.loader = loader or LocalAdapterLoader(
             model, config.max_lora_rank, config.torch_dtype, shard, BaseVocab(config.model, model)
@@ -163,6 +170,8 @@ class Engine:
             self._require_adapter(request.adapter)
             digest = self.loader.digest_of(request.adapter)  # the content it keeps to its end
         seq = _sequence(request, self.runner.device, digest)
+        if request.params.structured is not None:  # compiled here, in the caller's thread
+            seq.matcher = self.grammars.matcher(request.params.structured)
         self.streams.open(seq, sink)
         self._inbox.post(lambda: self.scheduler.add(seq))
 
@@ -288,6 +297,8 @@ class Engine:
         self.scheduler.postprocess(out.computed, list(zip(out.sampled, tokens, strict=True)))
         for seq, token, logprobs in zip(out.sampled, tokens, out.result.logprobs, strict=True):
             reason = self.streams.emit(seq, token, logprobs)
+            if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+                reason = "stop"  # the constraint's output is whole
             if reason is not None:
                 self._finish(seq, reason)
 

@@ -10,6 +10,7 @@ from inference_service.adapters.host_tier import ReadyAdapter
 from inference_service.engine.adapter_memory import adapter_memory_units, check_device_room
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
+from inference_service.engine.grammars import mask_rows
 from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_blocks, cuda_blocks, sized_by
 from inference_service.engine.rank_group import RankGroup, RankReport
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
@@ -296,4 +297,4 @@ def _sample(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
     batch = SamplingBatch.build(
         [s.params for s in seqs], [s.generator for s in seqs], histories, logits.device
     )
-    return sample(logits, batch)
+    return sample(mask_rows(logits, [s.matcher for s in seqs]), batch)

@@ -28,6 +28,10 @@ class Request:
             )
         if params.stop and not has_tokenizer:
             raise InvalidArgument("stop strings need a tokenizer; this model folder has no tokenizer.json")
+        if params.structured and not has_tokenizer:
+            raise InvalidArgument(
+                "structured outputs need a tokenizer; this model folder has no tokenizer.json"
+            )
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")

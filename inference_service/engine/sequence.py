@@ -35,6 +35,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, as far as known
     named_blocks: int = 0  # its first blocks that are in the prefix cache under their hash
     hit_blocks: int = 0  # its first blocks that came from the prefix cache at this admission
+    # A constrained request's grammar matcher (engine/grammars.py), at the end of its output
+    matcher: object | None = None
 
     @property
     def token_ids(self) -> list[int]:
