@@ -2,10 +2,12 @@
 engine (llguidance), which says at each step which tokens may come next and follows the tokens
 drawn. A constraint is compiled once per engine (its grammar text validated against the model's
 tokenizer, kept in a bounded cache keyed by the constraint) and each request gets a matcher of
-its own. Compiling happens where the request is submitted, never in the step."""
+its own. Compiling happens where the request is submitted, never in the step; requests may be
+submitted from several threads at once."""
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -26,6 +28,7 @@ class Grammars:
         self._source = (tokenizer_json, vocab_size, list(eos_token_ids))
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[Structured, str] = OrderedDict()
+        self._lock = threading.Lock()  # the cache and the tokenizer's first build
         self.compiles = self.hits = 0
 
     @property
@@ -40,6 +43,16 @@ class Grammars:
     def matcher(self, structured: Structured) -> llguidance.LLMatcher:
         """A new matcher at the start of `structured`'s output; InvalidArgument naming what is wrong
         with a constraint the grammar engine refuses."""
+        with self._lock:
+            grammar = self._cached(structured)
+            tokenizer = self._tokenizer
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if matcher.is_error():
+            raise InvalidArgument(f"structured output {structured.kind}: {matcher.get_error()}")
+        return matcher
+
+    def _cached(self, structured: Structured) -> str:
+        """The constraint's grammar, compiled now or found in the cache (under the lock)."""
         grammar = self._compiled.get(structured)
         if grammar is None:
             grammar = self._compile(structured)
@@ -49,10 +62,7 @@ class Grammars:
         else:
             self.hits += 1
             self._compiled.move_to_end(structured)
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar)
-        if matcher.is_error():
-            raise InvalidArgument(f"structured output {structured.kind}: {matcher.get_error()}")
-        return matcher
+        return grammar
 
     def _compile(self, structured: Structured) -> str:
         self.compiles += 1

@@ -241,3 +241,14 @@ def test_a_whole_constrained_output_stops_even_when_eos_is_ignored(engine):
     (out,) = engine.generate([Request(_prompt(engine), params=params)])
     text = _text(engine, [t for t in out.token_ids if t not in engine.tokenizer.eos_token_ids])
     assert out.finish_reason == "stop" and text in ("north", "south") and len(out.token_ids) < 30
+
+
+def test_constraints_compiled_from_many_threads_at_once_are_each_compiled_once(tiny_chat_model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = Engine(EngineConfig(model=str(tiny_chat_model), kv_cache_tokens=256, max_model_len=256))
+    constraints = [Structured("regex", f"[a-z]{{{n}}}") for n in range(1, 9)] * 4
+    with ThreadPoolExecutor(8) as pool:
+        matchers = list(pool.map(engine.grammars.matcher, constraints))
+    assert (engine.grammars.compiles, engine.grammars.hits) == (8, 24)
+    assert all(not m.is_error() for m in matchers)
