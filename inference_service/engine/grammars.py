@@ -12,7 +12,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -98,15 +97,19 @@ def _grammar(structured: Structured) -> str:
 
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     """logits [rows, vocab] with every token row i's matcher forbids at -inf (a copy when any
-    row is constrained; matchers[i] None: row i is left as it is)."""
+    row is constrained; matchers[i] None: row i is left as it is). The matchers write their
+    bitmasks (bit k of word w: token 32 w + k may come) straight into a tensor; llguidance's own
+    torch helpers are not used, as they torch.compile at import and at their first call."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])  # [rows, words]
+    vocab = logits.shape[1]
+    words = -(-vocab // 32)
+    bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # [c, words]
     for j, i in enumerate(rows):
-        llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
+        matchers[i].unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [c, words, 32]
+    allowed = bits.flatten(1)[:, :vocab].bool().to(logits.device)  # [c, vocab]
     masked = logits.clone()
-    constrained = masked[rows]  # [c, vocab]
-    llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
-    masked[rows] = constrained
+    masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return masked
