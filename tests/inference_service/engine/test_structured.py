@@ -244,11 +244,34 @@ def test_a_whole_constrained_output_stops_even_when_eos_is_ignored(engine):
 
 
 def test_constraints_compiled_from_many_threads_at_once_are_each_compiled_once(tiny_chat_model):
+    """Each compile made slow (50 ms, the GIL released), so that threads asking for one
+    constraint at once overlap: the first compiles it, the others wait and find it cached."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     engine = Engine(EngineConfig(model=str(tiny_chat_model), kv_cache_tokens=256, max_model_len=256))
+    compile_now = engine.grammars._compile
+
+    def slow_compile(structured):
+        time.sleep(0.05)
+        return compile_now(structured)
+
+    engine.grammars._compile = slow_compile
     constraints = [Structured("regex", f"[a-z]{{{n}}}") for n in range(1, 9)] * 4
     with ThreadPoolExecutor(8) as pool:
         matchers = list(pool.map(engine.grammars.matcher, constraints))
     assert (engine.grammars.compiles, engine.grammars.hits) == (8, 24)
     assert all(not m.is_error() for m in matchers)
+
+
+def test_the_cache_keeps_the_most_recent_constraints(tiny_chat_model):
+    from inference_service.engine.grammars import CACHE_SIZE
+
+    engine = Engine(EngineConfig(model=str(tiny_chat_model), kv_cache_tokens=256, max_model_len=256))
+    constraints = [Structured("regex", f"x{n}") for n in range(CACHE_SIZE + 1)]
+    for structured in constraints:
+        engine.grammars.matcher(structured)
+    engine.grammars.matcher(constraints[-1])  # kept
+    assert (engine.grammars.compiles, engine.grammars.hits) == (CACHE_SIZE + 1, 1)
+    engine.grammars.matcher(constraints[0])  # the oldest, dropped: compiled again
+    assert engine.grammars.compiles == CACHE_SIZE + 2
