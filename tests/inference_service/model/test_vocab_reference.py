@@ -143,3 +143,21 @@ def test_vocabulary_side_adapters_on_a_quantized_base_match_peft(quantization, t
     runner, slots, _ = _runner(model_dir, adapters, quantization)
     rows, prompts = _rows_and_prompts(list(adapters))
     assert_decode_agrees(runner, slots, reference, rows, DECODE_STEPS, seed=0, prompts=prompts)
+
+
+def test_re_trained_head_rows_on_a_tied_model_are_refused(tmp_path):
+    """The tied head is the embedding: its rows are re-trained as the embedding's, so rows of the
+    head alone would change the embedding PEFT serves too; refused, pointing at embed_tokens."""
+    from shared.base_vocab import BaseVocab
+    from shared.errors import InvalidArgument
+    from shared.model_config import ModelConfig
+    from shared.peft_checkpoint import load_peft_adapter
+
+    model_dir = build_tiny_model(tmp_path / "model", tie_word_embeddings=True)
+    lora = dict(
+        r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices={"lm_head": HEAD_TOKENS}
+    )
+    folder = build_vocab_adapter(model_dir, tmp_path / "head_rows", 1, **lora)
+    model = ModelConfig.from_dir(model_dir)
+    with pytest.raises(InvalidArgument, match="re-train the rows of embed_tokens"):
+        load_peft_adapter("head_rows", folder, model, 16, torch.float32, BaseVocab(model_dir, model))
