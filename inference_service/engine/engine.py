@@ -57,9 +57,9 @@ class Engine:
         self.config = config
         self.runner = in_passing_thread(ModelRunner.start, config)  # its parallel ops' team ends there
         model = self.runner.model_config
-        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
         tokenizer_json = Path(config.model) / "tokenizer.json"
+        has_tokenizer = tokenizer_json.is_file()
+        self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
         self.grammars = (
             Grammars(tokenizer_json, model.vocab_size, self.tokenizer.eos_token_ids)
             if has_tokenizer

@@ -3,14 +3,13 @@ copies) registered through the real store process: good ones are stored with eve
 part in their blob; hostile variants are refused with their status code and a message naming the
 tensor or setting at fault, nothing of them is stored, and the store keeps serving afterwards."""
 
-import json
 import shutil
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from shared import adapter_blob
 from shared.base_vocab import BaseVocab
@@ -19,11 +18,11 @@ from shared.pb.loramux.store.v1 import adapter_store_pb2 as pb
 from shared.pb.loramux.store.v1 import adapter_store_pb2_grpc as pb_grpc
 from shared.peft_checkpoint import load_peft_adapter
 from tests.adapter_store.conftest import AUTH, StoreProcess, store_flags, upload_folder
+from tests.adapter_store.test_hostile_corpus import _config, _tensors
 from tests.inference_service.model.test_vocab_reference import build_vocab_adapter
 
 EMBED, HEAD = "base_model.model.model.embed_tokens", "base_model.model.lm_head"
 DELTA = f"{EMBED}.token_adapter.trainable_tokens_delta"
-WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 TOKENS = [5, 17, 33, 101]
@@ -47,24 +46,6 @@ GOOD = {
         {"embed_tokens.weight"},
     ),
 }
-
-
-def _config(**changes):
-    def edit(folder: Path) -> None:
-        cfg = json.loads((folder / CONFIG).read_text())
-        cfg.update(changes)
-        (folder / CONFIG).write_text(json.dumps(cfg))
-
-    return edit
-
-
-def _tensors(change):
-    def edit(folder: Path) -> None:
-        tensors = load_file(folder / WEIGHTS)
-        change(tensors)
-        save_file(tensors, folder / WEIGHTS)
-
-    return edit
 
 
 def _set(key: str, value):
