@@ -77,12 +77,12 @@ class VocabBatch:
             if (
                 slot in adapters
                 and start <= token_ids[pos] < stop
-                and _has(adapters[slot].layout, "embed_tokens")
+                and "embed_tokens" in adapters[slot].layout.modules
             ):
                 positions.setdefault(slot, []).append(pos)
         rows: dict[int, list[int]] = {}
         for row, pos in enumerate(logit_rows):
-            if token_slots[pos] in adapters and _has(adapters[token_slots[pos]].layout, "lm_head"):
+            if token_slots[pos] in adapters and "lm_head" in adapters[token_slots[pos]].layout.modules:
                 rows.setdefault(token_slots[pos], []).append(row)
         if not positions and not rows:
             return None
@@ -90,10 +90,6 @@ class VocabBatch:
         head = tuple(_head_rows(adapters[s], r, stop - start, device) for s, r in rows.items())
         tables = _tables(adapters, positions, rows, device) if kernels else None
         return cls(embed, head, tables)
-
-
-def _has(layout: VocabLayout, module: str) -> bool:
-    return any(name.startswith(module + ".") for name in layout.parts)
 
 
 def _tables(adapters, positions: dict, rows: dict, device) -> dict[str, VocabSegments]:

@@ -17,6 +17,7 @@ Parts are held in the orientation their use reads by rows:
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -45,6 +46,11 @@ class VocabLayout:
     width: int  # elements of the run in each layer
     embed_rows: tuple[int, ...]  # token ids whose embedding rows the adapter replaces
     head_rows: tuple[int, ...]  # token ids whose head rows (logits) it replaces
+
+    @cached_property
+    def modules(self) -> frozenset[str]:
+        """The sides it has parts on: "embed_tokens", "lm_head" (asked of every token a step)."""
+        return frozenset(name.split(".")[0] for name in self.parts)
 
     @classmethod
     def of(cls, vocab: VocabWeights, layers: int) -> "VocabLayout | None":
