@@ -30,6 +30,8 @@ class EngineConfig:
     block_size: int = 16  # token positions per KV cache block
     prefix_caching: bool = True  # full KV blocks are reused by later requests with the same prefix
     step_timeout_s: float = 60.0  # a step running longer is a hung engine: every request fails
+    # A request waits this long at most for its output constraint to compile (engine/grammars.py)
+    grammar_compile_timeout_s: float = 10.0
     cuda_graphs: bool = True  # on a GPU, decode steps replay CUDA graphs; False runs every step eagerly
     # Ranks the model is split over (model/shard.py): this process is rank 0, it starts the others
     # (one process each; on CUDA rank r runs on cuda:r).
@@ -64,10 +66,10 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.step_timeout_s > 0:
-            raise InvalidArgument(
-                f"step_timeout_s must be a positive number of seconds, got {self.step_timeout_s}"
-            )
+        for name in ("step_timeout_s", "grammar_compile_timeout_s"):
+            if not getattr(self, name) > 0:
+                got = getattr(self, name)
+                raise InvalidArgument(f"{name} must be a positive number of seconds, got {got}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidArgument(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

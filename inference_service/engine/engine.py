@@ -60,11 +60,10 @@ class Engine:
         tokenizer_json = Path(config.model) / "tokenizer.json"
         has_tokenizer = tokenizer_json.is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
-        self.grammars = (
-            Grammars(tokenizer_json, model.vocab_size, self.tokenizer.eos_token_ids)
-            if has_tokenizer
-            else None
-        )
+        self.grammars = None
+        if has_tokenizer:
+            eos, timeout_s = self.tokenizer.eos_token_ids, config.grammar_compile_timeout_s
+            self.grammars = Grammars(tokenizer_json, model.vocab_size, eos, timeout_s)
         shard = self.runner.parallel.shard
         self.loader = loader or LocalAdapterLoader(
             model, config.max_lora_rank, config.torch_dtype, shard, BaseVocab(config.model, model)
@@ -153,6 +152,7 @@ class Engine:
             self.scheduler.stats(),
             runner.ranks,
             runner.parallel.seconds,
+            self.grammars.stats() if self.grammars else None,
         )
         self._snapshot = Snapshot(stats, self.host.held(), self.memory.resident_digests())
 
@@ -163,15 +163,26 @@ class Engine:
     # --- requests -------------------------------------------------------------------------
 
     def submit(self, request: Request, sink: Callable[[Delta], None]) -> None:
-        """Queue a request; `sink` receives its deltas from the stepping thread."""
+        """Queue a request; `sink` receives its deltas from the stepping thread. A constrained
+        request's constraint is compiled first, in this thread (stream() compiles off the loop)."""
+        self._check(request)
+        self._enqueue(request, sink, self._matcher(request))
+
+    def _check(self, request: Request) -> None:
         request.check(self.max_model_len, self.runner.model_config.vocab_size, self.tokenizer is not None)
-        digest = None
         if request.adapter is not None:
             self._require_adapter(request.adapter)
-            digest = self.loader.digest_of(request.adapter)  # the content it keeps to its end
+
+    def _matcher(self, request: Request) -> object | None:
+        """The request's grammar matcher (None: unconstrained); blocks while its constraint compiles."""
+        structured = request.params.structured
+        return None if structured is None else self.grammars.matcher(structured)
+
+    def _enqueue(self, request: Request, sink: Callable[[Delta], None], matcher: object | None) -> None:
+        # the content it keeps to its end
+        digest = self.loader.digest_of(request.adapter) if request.adapter is not None else None
         seq = _sequence(request, self.runner.device, digest)
-        if request.params.structured is not None:  # compiled here, in the caller's thread
-            seq.matcher = self.grammars.matcher(request.params.structured)
+        seq.matcher = matcher
         self.streams.open(seq, sink)
         self._inbox.post(lambda: self.scheduler.add(seq))
 
@@ -203,7 +214,11 @@ class Engine:
         that falls behind gets what it missed joined into one delta (Delta.join), so it catches
         up in one message rather than one per step."""
         queue = DeltaQueue(asyncio.get_running_loop())
-        self.submit(request, queue.put)
+        self._check(request)
+        matcher = None
+        if request.params.structured is not None:  # compiled on a thread: the loop serves others
+            matcher = await asyncio.to_thread(self._matcher, request)
+        self._enqueue(request, queue.put, matcher)
         finished = False
         try:
             while not finished:
@@ -221,6 +236,8 @@ class Engine:
 
     def stop(self) -> None:
         self._thread.stop()
+        if self.grammars is not None:
+            self.grammars.close()
         self.host.close()
         self.runner.close()
 

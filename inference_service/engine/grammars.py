@@ -1,80 +1,135 @@
 """Grammars: turns a request's output constraint (sampling.Structured) into a matcher of the grammar
 engine (llguidance), which says at each step which tokens may come next and follows the tokens
-drawn. A constraint is compiled once per engine (its grammar text validated against the model's
-tokenizer, kept in a bounded cache keyed by the constraint) and each request gets a matcher of
-its own. Compiling happens where the request is submitted, never in the step; requests may be
-submitted from several threads at once."""
+drawn. A constraint is compiled once per engine, on a compile thread of its own: its grammar text
+validated against the model's tokenizer, a matcher built and its first mask computed (which builds
+the lexer states), and kept in a bounded cache keyed by the constraint; each request gets a copy of
+that matcher. A caller waits at most `timeout_s` for a compile (the compile itself goes on and is
+cached), and never holds a lock while it waits, so one slow constraint delays only its own
+requests. Requests may be submitted from several threads at once; the step thread never compiles."""
 
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as CompileTimeout
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import llguidance
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from inference_service.engine.histogram import Histogram
 from inference_service.sampling import Structured
 from shared.errors import InvalidArgument
 
 CACHE_SIZE = 256  # compiled constraints kept
+COMPILE_THREADS = 2  # the grammar engine drops the GIL while it compiles: steps go on beside it
+COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+@dataclass(frozen=True)
+class GrammarStats:
+    requests: int = 0  # constrained requests submitted
+    compiles: int = 0  # constraints compiled (each one once while it stays cached)
+    hits: int = 0  # requests whose constraint was compiled already, or compiling
+    compile_seconds: Histogram = field(default_factory=lambda: Histogram(COMPILE_SECONDS_BUCKETS))
 
 
 class Grammars:
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        """tokenizer_json: the model's tokenizer; vocab_size: the logits' width (the model's)."""
+    def __init__(
+        self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...], timeout_s: float
+    ):
+        """tokenizer_json: the model's tokenizer; vocab_size: the logits' width (the model's);
+        timeout_s: the longest a request waits for its constraint to compile."""
         self._source = (tokenizer_json, vocab_size, list(eos_token_ids))
+        self._timeout_s = timeout_s
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[Structured, str] = OrderedDict()
-        self._lock = threading.Lock()  # the cache and the tokenizer's first build
-        self.compiles = self.hits = 0
-
-    @property
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        """Built at the first constraint (a fifth of a second on a 49k vocabulary), not with
-        every engine."""
-        if self._llg_tokenizer is None:
-            path, vocab_size, eos = self._source
-            self._llg_tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=eos)
-        return self._llg_tokenizer
+        self._tokenizer_lock = threading.Lock()  # its first build, on a compile thread
+        self._compiled: OrderedDict[Structured, Future] = OrderedDict()  # of the matcher to copy
+        self._lock = threading.Lock()  # the cache and the counters
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self.requests = self.compiles = self.hits = 0
+        self.compile_seconds = Histogram(COMPILE_SECONDS_BUCKETS)
 
     def matcher(self, structured: Structured) -> llguidance.LLMatcher:
         """A new matcher at the start of `structured`'s output; InvalidArgument naming what is wrong
-        with a constraint the grammar engine refuses."""
+        with a constraint the grammar engine refuses, or when it compiles for longer than the
+        timeout. Blocks its caller while the constraint compiles: call it off the event loop."""
         with self._lock:
-            grammar = self._cached(structured)
-            tokenizer = self._tokenizer
-        matcher = llguidance.LLMatcher(tokenizer, grammar)
-        if matcher.is_error():
-            raise InvalidArgument(f"structured output {structured.kind}: {matcher.get_error()}")
-        return matcher
+            self.requests += 1
+            compiled = self._compiled.get(structured)
+            if compiled is None:
+                compiled = self._pool.submit(self._compile, structured)
+                self._compiled[structured] = compiled
+                while len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self.hits += 1
+                self._compiled.move_to_end(structured)
+        try:
+            return compiled.result(timeout=self._timeout_s).deep_copy()
+        except CompileTimeout:
+            raise InvalidArgument(
+                f"structured output {structured.kind} took longer than {self._timeout_s:g} s to "
+                "compile (--grammar-compile-timeout); it goes on compiling, and a request with the "
+                "same constraint will find it compiled"
+            ) from None
 
-    def _cached(self, structured: Structured) -> str:
-        """The constraint's grammar, compiled now or found in the cache (under the lock)."""
-        grammar = self._compiled.get(structured)
-        if grammar is None:
-            grammar = self._compile(structured)
-            self._compiled[structured] = grammar
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
-            self.hits += 1
-            self._compiled.move_to_end(structured)
-        return grammar
+    def stats(self) -> GrammarStats:
+        with self._lock:
+            return GrammarStats(self.requests, self.compiles, self.hits, self.compile_seconds.copy())
 
-    def _compile(self, structured: Structured) -> str:
-        self.compiles += 1
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        """Built at the first constraint, not with every engine: a fifth of a second on a 49k
+        vocabulary, and a second more for the first mask ever computed with it (its token trie),
+        which is computed here too, on the compile thread, rather than in a step."""
+        with self._tokenizer_lock:
+            if self._llg_tokenizer is None:
+                path, vocab_size, eos = self._source
+                tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=eos)
+                _first_mask(llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_regex("a")))
+                self._llg_tokenizer = tokenizer
+            return self._llg_tokenizer
+
+    def _compile(self, structured: Structured) -> llguidance.LLMatcher:
+        """The matcher every request with this constraint copies (on a compile thread)."""
+        start = time.perf_counter()
+        try:
+            return self._matcher_of(structured)
+        finally:
+            with self._lock:
+                self.compiles += 1
+                self.compile_seconds.observe(time.perf_counter() - start)
+
+    def _matcher_of(self, structured: Structured) -> llguidance.LLMatcher:
+        refused = f"structured output {structured.kind}: "
         try:
             grammar = _grammar(structured)
         except Exception as e:  # the grammar engine's refusals: its GBNF reader raises bare Exception
-            raise InvalidArgument(f"structured output {structured.kind}: {e}") from None
+            raise InvalidArgument(refused + str(e)) from None
+        tokenizer = self._tokenizer
         # (is_error, messages): an error, or warnings such as a schema keyword the engine would
         # otherwise leave unenforced; either refuses the constraint (a strict schema holds whole)
-        _, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        _, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if problems:
-            raise InvalidArgument(f"structured output {structured.kind}: {'; '.join(problems)}")
-        return grammar
+            raise InvalidArgument(refused + "; ".join(problems))
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        _first_mask(matcher)  # builds the lexer states every copy shares
+        if matcher.is_error():
+            raise InvalidArgument(refused + matcher.get_error())
+        return matcher
+
+
+def _first_mask(matcher: llguidance.LLMatcher) -> None:
+    """Computes the matcher's first mask now (what it builds lazily, once, is built here)."""
+    matcher.compute_bitmask()
 
 
 def _grammar(structured: Structured) -> str:

@@ -1,38 +1,17 @@
 """Counters, gauges and a histogram the engine keeps for the gRPC layer to export."""
 
-import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
 from inference_service.adapters.host_tier import HostTierStats
 from inference_service.engine.adapter_memory import SlotStats
+from inference_service.engine.grammars import GrammarStats
+from inference_service.engine.histogram import Histogram
 from inference_service.engine.rank_group import RankReport
 from inference_service.engine.scheduler import SchedulerStats
 from inference_service.engine.sequence import Sequence
 
 LOAD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass
-class Histogram:
-    """Cumulative-bucket histogram, Prometheus style: counts[i] observations <= buckets[i]."""
-
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self):
-        self.counts = self.counts or [0] * len(self.buckets)
-
-    def copy(self) -> "Histogram":
-        return Histogram(self.buckets, list(self.counts), self.total, self.count)
-
-    def observe(self, value: float) -> None:
-        for i in range(bisect.bisect_left(self.buckets, value), len(self.buckets)):
-            self.counts[i] += 1
-        self.total += value
-        self.count += 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +27,7 @@ class EngineStats:
     scheduler: SchedulerStats
     ranks: tuple[RankReport, ...]  # what each tensor-parallel rank holds (rank 0 alone at one rank)
     collective_seconds: float  # rank 0's time in exchanges with the other ranks, so far
+    grammars: GrammarStats  # structured outputs: constrained requests and their compiles
 
 
 @dataclass
@@ -69,6 +49,7 @@ class EngineMetrics:
         scheduler: SchedulerStats,
         ranks: tuple[RankReport, ...] = (),
         collective_seconds: float = 0.0,
+        grammars: GrammarStats | None = None,
     ) -> EngineStats:
         return EngineStats(
             dict(self.requests),
@@ -80,4 +61,5 @@ class EngineMetrics:
             scheduler,
             ranks,
             collective_seconds,
+            grammars or GrammarStats(),
         )

@@ -32,6 +32,7 @@ class Tokenizer:
         self._eos_token = _token_text(tokenizer_config.get("eos_token"))
         self._bos_token_id = self._id_of(self._bos_token, model_config.get("bos_token_id"))
         self._eos_token_ids = self._eos_ids(model_config.get("eos_token_id"))
+        self._template_source = chat_template
         self._template = _compile(chat_template, model_dir) if chat_template else None
         pieces = _pieces(backend)
         self._max_token_bytes = _max_token_bytes(pieces)
@@ -93,14 +94,24 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt for a conversation, as transformers' apply_chat_template(tokenize=False) renders it."""
+    @property
+    def tool_call_format(self) -> str:
+        """The tool-call format the chat template teaches: "hermes" (<tool_call>{...}</tool_call>,
+        as Hermes, Qwen2.5 and Qwen3 write calls), or "" when it teaches none."""
+        return "hermes" if self._template_source and "<tool_call>" in self._template_source else ""
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt for a conversation, as transformers' apply_chat_template(tokenize=False) renders
+        it; `tools`: the functions the model may call, as OpenAI's request lists them."""
         if self._template is None:
             raise FailedPrecondition(f"model folder {self._model_dir} has no chat template")
         _check_messages(messages)
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",
                 eos_token=self._eos_token or "",
@@ -207,10 +218,19 @@ def _compile(source: str, model_dir: Path) -> Template:
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson
     try:
         return env.from_string(source)
     except TemplateError as e:
         raise InvalidArgument(f"chat template of {model_dir} does not parse: {e}") from e
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson: plain JSON (jinja2's own escapes <, > and & for HTML), with options
+    templates pass, such as indent."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str):

@@ -1,15 +1,18 @@
 """Proto <-> domain conversion for the InferenceService, in one place."""
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 from inference_service.engine import AdapterState, Delta, Engine, EngineStats, Request
+from inference_service.engine.histogram import Histogram
 from inference_service.engine.tokenizer import Tokenizer
-from inference_service.sampling import SamplingParams
+from inference_service.sampling import SamplingParams, Structured
 from shared.errors import InvalidArgument
 from shared.names import check_adapter_id
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 
+MAX_TOOLS = 128  # OpenAI's bound on the functions one request may offer
 MAX_REQUEST_ID_CHARS = 256  # a label for the caller's logs; longer than any id scheme writes
 OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 FINISH_REASONS = {
@@ -57,16 +60,72 @@ def prompt_ids(message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_mod
         text = message.text
         _check_prompt_bytes("text prompt", _utf8_bytes(text), tokenizer, max_model_len)
         return tokenizer.encode(text)
-    chat = message.chat.messages
-    if not chat:
-        raise InvalidArgument("chat input has no messages")
-    if len(chat) > max_model_len:  # every chat template writes at least one token per message
-        raise InvalidArgument(f"chat input has {len(chat)} messages; max_model_len is {max_model_len} tokens")
-    size = sum(_utf8_bytes(m.role) + _utf8_bytes(m.content) for m in chat)
-    _check_prompt_bytes("chat input (roles and contents)", size, tokenizer, max_model_len)
-    messages = [{"role": m.role, "content": m.content} for m in chat]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    rendered = _chat_prompt(message.chat, tokenizer, max_model_len)
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, max_model_len: int) -> str:
+    """The chat rendered by the model's template, with its tool calls, tool results and tools; the
+    texts are bounded before any JSON in them is parsed."""
+    messages = chat.messages
+    if not messages:
+        raise InvalidArgument("chat input has no messages")
+    if len(messages) > max_model_len:  # every chat template writes at least one token per message
+        raise InvalidArgument(
+            f"chat input has {len(messages)} messages; max_model_len is {max_model_len} tokens"
+        )
+    if len(chat.tools) > MAX_TOOLS:
+        raise InvalidArgument(f"chat input has {len(chat.tools)} tools; at most {MAX_TOOLS}")
+    texts = [*(text for m in messages for text in _message_texts(m))]
+    texts += [text for t in chat.tools for text in (t.name, t.description, t.parameters)]
+    size = sum(_utf8_bytes(text) for text in texts)
+    _check_prompt_bytes("chat input (messages and tools)", size, tokenizer, max_model_len)
+    tools = [_tool(t, f"chat.tools[{i}]") for i, t in enumerate(chat.tools)] or None
+    rendered = [_message(m, f"chat.messages[{i}]") for i, m in enumerate(messages)]
+    return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tools=tools)
+
+
+def _message_texts(m: pb.ChatMessage) -> list[str]:
+    calls = [text for c in m.tool_calls for text in (c.id, c.name, c.arguments)]
+    return [m.role, m.content, m.tool_call_id, m.name, *calls]
+
+
+def _message(m: pb.ChatMessage, where: str) -> dict:
+    """A chat message as chat templates take it (transformers' form): tool calls' arguments parsed."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = enumerate(m.tool_calls)
+        message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in calls]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _tool_call(c: pb.ToolCall, where: str) -> dict:
+    arguments = _json_object(c.arguments, f"{where}.arguments")
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments}}
+
+
+def _tool(t: pb.Tool, where: str) -> dict:
+    if not t.name:
+        raise InvalidArgument(f"{where} has no name")
+    function = {"name": t.name}
+    if t.description:
+        function["description"] = t.description
+    function["parameters"] = _json_object(t.parameters, f"{where}.parameters") if t.parameters else {}
+    return {"type": "function", "function": function}
+
+
+def _json_object(text: str, where: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:  # RecursionError too: text bounded above, nesting not
+        raise InvalidArgument(f"{where} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where} is not a JSON object")
+    return value
 
 
 def _utf8_bytes(text: str) -> int:
@@ -91,7 +150,21 @@ def sampling(message: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
+        structured=structured(message),
     )
+
+
+def structured(message: pb.SamplingParams) -> Structured | None:
+    kind = message.WhichOneof("structured")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not message.json_object:
+            raise InvalidArgument("sampling.json_object, when set, must be true")
+        return Structured("json_object")
+    if kind == "choice":
+        return Structured("choice", choices=tuple(message.choice.choices))
+    return Structured(kind, getattr(message, kind))
 
 
 def delta(d: Delta, tokenizer: Tokenizer | None) -> pb.GenerateResponse:
@@ -156,15 +229,17 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         num_experts=model.moe.num_experts if model.moe else 0,
         experts_per_token=model.moe.top_k if model.moe else 0,
         tensor_parallel_size=config.tensor_parallel_size,
+        tool_call_format=tokenizer.tool_call_format if tokenizer else "",
     )
 
 
 def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
-    load, host, slots, scheduler = (
+    load, host, slots, scheduler, grammars = (
         snapshot.adapter_load_seconds,
         snapshot.host_tier,
         snapshot.slots,
         snapshot.scheduler,
+        snapshot.grammars,
     )
     return pb.Stats(
         requests=[
@@ -189,9 +264,7 @@ def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
         host_misses=host.misses,
         host_evictions=host.evictions,
         host_adapters=host.size,
-        adapter_load_seconds=pb.Histogram(
-            bounds=load.buckets, counts=load.counts, sum=load.total, count=load.count
-        ),
+        adapter_load_seconds=_histogram(load),
         host_request_hits=host.request_hits,
         host_request_misses=host.request_misses,
         adapter_memory_used_bytes=slots.bytes_used,
@@ -206,4 +279,11 @@ def stats(snapshot: EngineStats, in_flight: int) -> pb.Stats:
             for r in snapshot.ranks
         ],
         collective_seconds=snapshot.collective_seconds,
+        structured_requests=grammars.requests,
+        grammar_cache_hits=grammars.hits,
+        grammar_compile_seconds=_histogram(grammars.compile_seconds),
     )
+
+
+def _histogram(h: Histogram) -> pb.Histogram:
+    return pb.Histogram(bounds=h.buckets, counts=h.counts, sum=h.total, count=h.count)

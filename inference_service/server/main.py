@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one engine step may run before the worker exits",
     )
     p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request waits at most for its output constraint (JSON schema, regex, grammar) "
+        "to compile before it is refused",
+    )
+    p.add_argument(
         "--eager", action="store_true", help="on a GPU, run decode steps eagerly instead of from CUDA graphs"
     )
     p.add_argument(
@@ -172,6 +179,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_caching=not args.no_prefix_caching,
         step_timeout_s=args.step_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         cuda_graphs=not args.eager,
         tensor_parallel_size=args.tensor_parallel_size,
         fully_sharded_loras=args.fully_sharded_loras,

@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from inference_service.engine import Engine, EngineStats
-from inference_service.engine.metrics import Histogram as EngineHistogram
+from inference_service.engine.histogram import Histogram as EngineHistogram
 from inference_service.server.admission import Admission
 from shared.errors import LoramuxError
 from shared.grpc_server import status_of

@@ -45,7 +45,32 @@ def _request(**fields) -> pb.GenerateRequest:
         ({"text": "é" * 17}, "text prompt is 34 bytes"),  # 17 characters, 34 UTF-8 bytes
         (
             {"chat": pb.ChatInput(messages=[pb.ChatMessage(role="user", content="y" * 29)])},
-            "chat input (roles and contents) is 33 bytes",
+            "chat input (messages and tools) is 33 bytes",
+        ),
+        (  # a tool's schema counts, and is not parsed before the bound holds
+            {
+                "chat": pb.ChatInput(
+                    messages=[pb.ChatMessage(role="user", content="hi")],
+                    tools=[pb.Tool(name="f", parameters="{" * 27)],
+                )
+            },
+            "chat input (messages and tools) is 34 bytes",
+        ),
+        (  # and so do the arguments of the calls the conversation holds
+            {
+                "chat": pb.ChatInput(
+                    messages=[
+                        pb.ChatMessage(
+                            role="assistant", tool_calls=[pb.ToolCall(id="c", name="f", arguments="[" * 22)]
+                        )
+                    ]
+                )
+            },
+            "chat input (messages and tools) is 33 bytes",
+        ),
+        (
+            {"chat": pb.ChatInput(messages=[pb.ChatMessage(role="user")], tools=[pb.Tool(name="f")] * 129)},
+            "chat input has 129 tools; at most 128",
         ),
         (
             {"chat": pb.ChatInput(messages=[pb.ChatMessage(role="user")] * 9)},
@@ -53,7 +78,16 @@ def _request(**fields) -> pb.GenerateRequest:
         ),
         ({"token_ids": pb.TokenIds(ids=[1] * 9)}, "prompt has 9 token ids; max_model_len is 8"),
     ],
-    ids=["text", "text-utf8", "chat", "chat-count", "token-ids"],
+    ids=[
+        "text",
+        "text-utf8",
+        "chat",
+        "chat-tools",
+        "chat-tool-calls",
+        "chat-tool-count",
+        "chat-count",
+        "token-ids",
+    ],
 )
 def test_prompt_over_the_bound_is_refused_without_tokenizing(fields, named):
     with pytest.raises(InvalidArgument, match="^" + re.escape(named)):
