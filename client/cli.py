@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from .connection import DEFAULT_STORE, DEFAULT_WORKER
 from .errors import LoramuxError
@@ -123,7 +124,31 @@ def _add_generate_command(commands) -> None:
     g.add_argument("--temperature", type=float, help="0 = greedy")
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", metavar="STR", help="stop string (repeat for more)")
+    _add_constraint_flags(g)
     g.set_defaults(command=generate)
+
+
+def _add_constraint_flags(g: argparse.ArgumentParser) -> None:
+    """The output constraints, mutually exclusive: a request holds one (a oneof), so two are a usage
+    error here rather than the SDK's ValueError."""
+    c = g.add_argument_group("output constraint (at most one)").add_mutually_exclusive_group()
+    c.add_argument(
+        "--json-schema", type=_text_or_file, metavar="SCHEMA", help="JSON schema text, or @FILE holding it"
+    )
+    c.add_argument("--json-object", action="store_true", help="any JSON object")
+    c.add_argument("--regex", help="a regular expression the whole output matches")
+    c.add_argument("--choice", action="append", metavar="STR", help="one allowed output (repeat for more)")
+    c.add_argument("--grammar", type=_text_or_file, help="Lark or GBNF grammar text, or @FILE holding it")
+
+
+def _text_or_file(text: str) -> str:
+    """TEXT as is, or @PATH: the file's text (a schema or grammar too long for a command line)."""
+    if not text.startswith("@"):
+        return text
+    try:
+        return Path(text[1:]).read_text()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {e.strerror}") from None
 
 
 def _positive_float(text: str) -> float:
@@ -171,6 +196,13 @@ def generate(client: Client, args) -> None:
     else:
         inputs = {"prompt": args.prompt}
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    sampling |= {
+        "json_schema": args.json_schema,
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": args.grammar,
+    }
     with client.generate(**inputs, adapter=args.adapter, stop=args.stop, **sampling) as stream:
         _write_text(stream)
     print()

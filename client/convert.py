@@ -1,6 +1,7 @@
 """Requests built from Python arguments and responses turned into SDK dataclasses: the one place
 both clients share, so the sync and async clients differ only in how they wait."""
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC
@@ -14,8 +15,16 @@ from shared.pb.loramux.store.v1 import adapter_store_pb2 as store_pb
 from .types import Adapter, Completion, Delta, ModelInfo, TokenLogprob, TopLogprob, WorkerAdapter
 
 SAMPLING_FIELDS = tuple(inference_pb.SamplingParams.DESCRIPTOR.fields_by_name)
+# The output constraints: SamplingParams' oneof, so a request carries at most one.
+STRUCTURED = tuple(
+    field.name for field in inference_pb.SamplingParams.DESCRIPTOR.oneofs_by_name["structured"].fields
+)
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+TOOL_CALL_KEYS = ("id", "type", "function")
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
-Message = Mapping[str, str] | tuple[str, str]
+Message = Mapping[str, Any] | tuple[str, str]
+Tool = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -70,15 +79,18 @@ def generate_request(
     prompt: str | None,
     token_ids: Iterable[int] | None,
     messages: Sequence[Message] | None,
+    tools: Sequence[Tool] | None,
     adapter: str | None,
     request_id: str | None,
     sampling: dict,
 ) -> inference_pb.GenerateRequest:
-    """A GenerateRequest; ValueError unless exactly one input is given, TypeError for an unknown
-    sampling argument."""
+    """A GenerateRequest; ValueError unless exactly one input is given (tools only with messages),
+    TypeError for an unknown sampling argument."""
     given = [name for name, value in _inputs(prompt, token_ids, messages) if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, token_ids or messages (got {given or 'none'})")
+    if tools is not None and messages is None:
+        raise ValueError("tools go with messages: a chat shows them to the model, a prompt cannot")
     request = inference_pb.GenerateRequest(
         adapter=adapter or "", request_id=request_id or "", sampling=sampling_params(sampling)
     )
@@ -87,7 +99,8 @@ def generate_request(
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     else:
-        request.chat.messages.extend(chat_message(m) for m in messages)
+        request.chat.messages.extend(chat_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+        request.chat.tools.extend(tool(t, f"tools[{i}]") for i, t in enumerate(tools or ()))
     return request
 
 
@@ -102,20 +115,122 @@ def sampling_params(sampling: dict) -> inference_pb.SamplingParams:
     values = {name: value for name, value in sampling.items() if value is not None}
     if isinstance(values.get("stop"), str):  # a lone string, not its characters
         values["stop"] = [values["stop"]]
-    return inference_pb.SamplingParams(**values)
+    constraint = structured({name: values.pop(name) for name in STRUCTURED if name in values})
+    return inference_pb.SamplingParams(**values, **constraint)
 
 
-def chat_message(message: Message) -> inference_pb.ChatMessage:
-    """{"role": ..., "content": ...} or (role, content) -> ChatMessage."""
-    if isinstance(message, Mapping):
-        if not {"role", "content"} <= message.keys():
-            raise ValueError(f"a chat message needs 'role' and 'content', got keys {sorted(message)}")
-        return inference_pb.ChatMessage(role=message["role"], content=message["content"])
+def structured(given: dict) -> dict:
+    """The structured-output keywords given (None already dropped) as SamplingParams' oneof takes
+    them: at most one, since the worker applies a single constraint; json_object=False is none."""
+    if given.get("json_object") is False:
+        del given["json_object"]
+    if len(given) > 1:
+        raise ValueError(f"give at most one output constraint, got {', '.join(given)}")
+    return {name: _constraint(name, value) for name, value in given.items()}
+
+
+def _constraint(name: str, value: Any) -> Any:
+    """One structured-output keyword's value as its oneof field holds it; TypeError for a value of
+    the wrong kind, rather than protobuf's message that names no keyword."""
+    if name == "json_schema":
+        return _json_text(value, name)
+    if name == "choice":
+        return _choices(value)
+    if name == "json_object":
+        if value is not True:
+            raise TypeError(f"json_object is True or False, got {value!r}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} takes a str, got {type(value).__name__}")
+    return value
+
+
+def _choices(choices: Sequence[str]) -> inference_pb.Choices:
+    if isinstance(choices, str):  # a lone string would otherwise become its characters
+        raise TypeError(f"choice takes a sequence of strings, not one string: choice=[{choices!r}]")
+    choices = list(choices)
+    if not all(isinstance(c, str) for c in choices):
+        raise TypeError(f"choice takes strings, got {choices!r}")
+    return inference_pb.Choices(choices=choices)
+
+
+def chat_message(message: Message, where: str) -> inference_pb.ChatMessage:
+    """{"role": ..., "content": ...} or (role, content) -> ChatMessage; a dict may also be OpenAI's
+    assistant message with "tool_calls" (its content None or absent) or a tool message with
+    "tool_call_id" and an optional "name"."""
     if isinstance(message, tuple) and len(message) == 2:
         return inference_pb.ChatMessage(role=message[0], content=message[1])
-    raise ValueError(
-        f"a chat message is a {{'role', 'content'}} dict or a (role, content) tuple, got {message!r}"
+    if not isinstance(message, Mapping):
+        raise ValueError(
+            f"{where}: a chat message is a {{'role', 'content'}} dict or a (role, content) tuple, "
+            f"got {message!r}"
+        )
+    _check_keys(message, MESSAGE_KEYS, where)
+    content = message.get("content")
+    if "role" not in message or (content is None and not message.get("tool_calls")):
+        raise ValueError(f"{where}: a chat message needs 'role' and 'content', got keys {sorted(message)}")
+    calls = enumerate(message.get("tool_calls") or ())
+    return inference_pb.ChatMessage(
+        role=message["role"],
+        content=content or "",
+        tool_calls=[tool_call(c, f"{where}.tool_calls[{j}]") for j, c in calls],
+        tool_call_id=message.get("tool_call_id") or "",
+        name=message.get("name") or "",
     )
+
+
+def tool_call(call: Mapping, where: str) -> inference_pb.ToolCall:
+    """OpenAI's {"id", "type": "function", "function": {"name", "arguments"}}; arguments JSON text
+    (sent as is: the worker names a call whose text is not a JSON object), a dict to dump, or absent
+    for none ({})."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or "name" not in function:
+        raise ValueError(f"{where}: a tool call needs 'function': {{'name', 'arguments'}}, got {call!r}")
+    _check_keys(call, TOOL_CALL_KEYS, where)
+    _check_function_type(call, where)
+    _check_keys(function, ("name", "arguments"), f"{where}.function")
+    arguments = _json_text(function.get("arguments", {}), f"{where}.function.arguments")
+    return inference_pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
+
+
+def tool(spec: Tool, where: str) -> inference_pb.Tool:
+    """OpenAI's {"type": "function", "function": {"name", "description", "parameters"}}, or that
+    function alone; parameters (a JSON schema) as a dict or JSON text, absent for any object.
+    OpenAI's "strict" is taken and has no effect: the worker shows tools to the chat template, it
+    does not constrain the calls the model writes."""
+    if "function" in spec:
+        _check_keys(spec, ("type", "function"), where)
+        _check_function_type(spec, where)
+        spec, where = spec["function"], f"{where}.function"
+    if not isinstance(spec, Mapping) or "name" not in spec:
+        raise ValueError(f"{where}: a tool needs a 'name', got {spec!r}")
+    _check_keys(spec, FUNCTION_KEYS, where)
+    parameters = spec.get("parameters")
+    return inference_pb.Tool(
+        name=spec["name"],
+        description=spec.get("description") or "",
+        parameters="" if parameters is None else _json_text(parameters, f"{where}.parameters"),
+    )
+
+
+def _check_keys(mapping: Mapping, known: Sequence[str], where: str) -> None:
+    unknown = sorted(set(mapping) - set(known))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; known: {', '.join(known)}")
+
+
+def _check_function_type(spec: Mapping, where: str) -> None:
+    if spec.get("type", "function") != "function":
+        raise ValueError(f"{where}: type {spec['type']!r} is not 'function', the only kind of tool")
+
+
+def _json_text(value: Mapping | str, where: str) -> str:
+    """A dict dumped as compact JSON, or a str taken as JSON text already (the worker parses it)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return json.dumps(value, separators=(",", ":"))
+    raise TypeError(f"{where} takes a dict or its JSON text, got {type(value).__name__}")
 
 
 def delta(message: inference_pb.Delta) -> Delta:
@@ -198,6 +313,7 @@ def model_info(message: inference_pb.ModelInfo) -> ModelInfo:
         num_experts=message.num_experts,
         experts_per_token=message.experts_per_token,
         tensor_parallel_size=message.tensor_parallel_size or 1,
+        tool_call_format=message.tool_call_format,
     )
 
 

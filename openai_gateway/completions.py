@@ -11,30 +11,42 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from loramux import Completion
 
+from .constraints import constraint
 from .errors import ApiError
 from .metrics import GatewayMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .renderer import ChatRenderer, Renderer, TextRenderer
 from .samples import Samples
+from .tool_calls import parser_for
 from .upstream import Upstream
 
 DONE = format_sse_event(data_str="[DONE]")
 
 
 async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
-    inputs = [{"messages": [m.sdk_message() for m in body.messages]}]
-    return await _serve(request, body, inputs, ChatRenderer, upstream, metrics)
+    """Tools are shown to the model by the chat template unless tool_choice is "none"."""
+    start = time.perf_counter()
+    mode = body.tool_mode
+    parser = parser_for(mode, (await upstream.model_info()).tool_call_format if mode == "auto" else "")
+    given = {"messages": [m.sdk_message() for m in body.messages]}
+    if parser is not None:
+        given["tools"] = [
+            tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
+        ]
+    renderer = ChatRenderer(body.model, body.alternatives, body.include_usage, tool_parser=parser)
+    return await _serve(request, body, [given], renderer, upstream, metrics, start)
 
 
 async def text(request: Request, body: CompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
-    return await _serve(request, body, body.prompts(), TextRenderer, upstream, metrics)
+    renderer = TextRenderer(body.model, body.alternatives, body.include_usage)
+    return await _serve(request, body, body.prompts(), renderer, upstream, metrics, time.perf_counter())
 
 
-async def _serve(request, body, inputs: list[dict], kind: type[Renderer], upstream: Upstream, metrics):
-    start = time.perf_counter()
+async def _serve(
+    request, body, inputs: list[dict], renderer: Renderer, upstream: Upstream, metrics, start: float
+):
     adapter = await upstream.adapter_for(body.model)
-    renderer = kind(body.model, body.alternatives, body.include_usage)
-    sampling = body.sdk_sampling(_asked_logprobs(body.alternatives))
+    sampling = body.sdk_sampling(_asked_logprobs(body.alternatives)) | constraint(body)
     samples = await Samples.start(
         upstream.client, body.model, adapter, inputs, body.n, sampling, body.seed, renderer.id
     )

@@ -15,6 +15,7 @@ from .config import MAX_N
 from .errors import ApiError, invalid_body
 
 MAX_LOGPROBS = 20  # the worker's bound on alternatives per token
+MAX_TOOLS = 128  # OpenAI's bound on the functions one request may offer
 INT32_MAX = (1 << 31) - 1  # token ids, max_tokens and top_k are int32 in the worker's proto
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # OpenAI parameters that are accepted only at a value that changes nothing.
@@ -22,12 +23,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
+    "functions": (None, []),  # deprecated by OpenAI for `tools`
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "metadata": (None, {}),
@@ -39,6 +36,61 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
 }
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # {}: any JSON value
+    strict: bool | None = None  # the output always follows the whole schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ApiError(
+                400,
+                "`response_format.json_schema` goes with, and only with, type json_schema",
+                "response_format",
+            )
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension: one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")  # a JSON schema, or its JSON text
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None  # Lark, or GBNF (::= rules)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name, value in self.fields_given().items() if value]
+        if len(given) != 1:
+            raise ApiError(
+                400,
+                f"`structured_outputs` takes exactly one of json, regex, choice, grammar or json_object "
+                f"(got {', '.join(given) or 'none'})",
+                "structured_outputs",
+            )
+        return self
+
+    def fields_given(self) -> dict:
+        return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar} | {
+            "json_object": self.json_object
+        }
 
 
 class StreamOptions(BaseModel):
@@ -68,6 +120,9 @@ class Sampling(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    # Output constraints: OpenAI's, and vLLM's extension.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -128,27 +183,111 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        """ValueError: pydantic names the message (messages.2) in the 400."""
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry `tool_calls`")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a message with role tool, and only such a message, has `tool_call_id`")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs `content`")
+        return self
 
     def sdk_message(self) -> dict:
         """Developer messages are system messages to a chat template; text parts join into one."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        content = (
+            self.content if isinstance(self.content, str | None) else "".join(p.text for p in self.content)
+        )
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # calls always follow the whole schema, strict or not
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "`top_logprobs` needs `logprobs` set to true", "top_logprobs")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ApiError(400, "`tools` names a function twice", "tools")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ApiError(400, "`tool_choice` other than none or auto needs `tools`", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ApiError(
+                400,
+                f"`tool_choice` names {self.tool_choice.function.name!r}, which `tools` lacks",
+                "tool_choice",
+            )
+        return self
+
+    @property
+    def tool_mode(self) -> str | NamedToolChoice:
+        """ "none", "auto", "required" or the named function; OpenAI's default: auto with tools."""
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
     def alternatives(self) -> int | None:

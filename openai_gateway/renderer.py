@@ -8,11 +8,13 @@ what its next chunk needs (chat's role goes in the first chunk; text offsets run
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from loramux import Completion, Delta
 
 from . import logprobs as lp
 from .samples import Event, Usage
+from .tool_calls import Parsed, ToolCallParser, whole_calls
 
 
 class Renderer(ABC):
@@ -70,20 +72,37 @@ class Renderer(ABC):
 
 
 class ChatRenderer(Renderer):
+    """With a tool call parser, each choice's text is read for calls (tool_calls.py): they go out
+    as `tool_calls`, and a choice that called a tool and stopped ends with finish_reason
+    "tool_calls"."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, *args, tool_parser: Callable[[], ToolCallParser] | None = None):
+        super().__init__(*args)
+        self._tool_parser = tool_parser
+        self._parsers: dict[int, ToolCallParser] = {}  # choice index -> its stream's parser
+
     def _whole_choice(self, index: int, completion: Completion) -> dict:
+        message = {"role": "assistant", "content": completion.text}
+        finish = completion.finish_reason
+        if self._tool_parser is not None:
+            parser = self._tool_parser()
+            parsed = parser.feed(completion.text) + parser.end()
+            message, finish = _message(parsed), _finish(finish, parser)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": completion.text},
+            "message": message,
             "logprobs": self._logprobs(completion.logprobs),
-            "finish_reason": completion.finish_reason,
+            "finish_reason": finish,
         }
 
     def _delta_choice(self, index: int, delta: Delta) -> dict:
         content = {"content": delta.text}
+        if self._tool_parser is not None:
+            content = _delta(self._parser(index).feed(delta.text))
         if index not in self._sent:  # a choice's first chunk names the role, as OpenAI's do
             content = {"role": "assistant"} | content
         return {
@@ -95,10 +114,38 @@ class ChatRenderer(Renderer):
 
     def _last_choice(self, index: int, completion: Completion) -> dict:
         start = {} if index in self._sent else {"role": "assistant", "content": ""}
-        return {"index": index, "delta": start, "logprobs": None, "finish_reason": completion.finish_reason}
+        finish = completion.finish_reason
+        if self._tool_parser is not None:  # what the parser held back, and whether it found calls
+            parser = self._parser(index)
+            start, finish = start | _delta(parser.end()), _finish(finish, parser)
+        return {"index": index, "delta": start, "logprobs": None, "finish_reason": finish}
+
+    def _parser(self, index: int) -> ToolCallParser:
+        if index not in self._parsers:
+            self._parsers[index] = self._tool_parser()
+        return self._parsers[index]
 
     def _logprobs(self, entries) -> dict | None:
         return None if self._alternatives is None else lp.chat(entries, self._alternatives)
+
+
+def _message(parsed: Parsed) -> dict:
+    if not parsed.calls:
+        return {"role": "assistant", "content": parsed.content}
+    calls = whole_calls(parsed.calls)
+    return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
+
+
+def _delta(parsed: Parsed) -> dict:
+    delta = {"content": parsed.content} if parsed.content else {}
+    if parsed.calls:
+        delta["tool_calls"] = [part.body() for part in parsed.calls]
+    return delta
+
+
+def _finish(reason: str, parser: ToolCallParser) -> str:
+    """A choice that called a tool and ended on its own ends for "tool_calls"."""
+    return "tool_calls" if parser.calls and reason == "stop" else reason
 
 
 class TextRenderer(Renderer):

@@ -78,6 +78,7 @@ def test_chat_generate_model_info_and_worker_adapters(default_worker, capsys):
     assert cli.run([*flags, "model-info"], {}) == 0
     fields = capsys.readouterr().out.splitlines()
     assert "model_name: SmolLM2-135M-Instruct" in fields and "has_chat_template: True" in fields
+    assert "tool_call_format: " in fields  # SmolLM2's template teaches no tool calls
     assert cli.run([*flags, "worker-adapters"], {}) == 0
     header, *rows = capsys.readouterr().out.splitlines()
     assert header.split() == ["ID", "LOCATION", "PINNED", "DIGEST"]

@@ -125,7 +125,7 @@ def test_worker_adapters_and_model_info(client, registered):
     assert held[0].location in ("device", "host")
     info = client.model_info()
     assert (info.model_type, info.vocab_size, info.eos_token_ids) == ("llama", 160, [2])
-    assert (info.max_loras, info.has_chat_template) == (2, False)
+    assert (info.max_loras, info.has_chat_template, info.tool_call_format) == (2, False, "")
 
 
 def test_async_client_streams_cancels_and_raises_the_same(worker, client, stats, registered):

@@ -73,11 +73,31 @@ def test_an_unknown_model_is_404_in_openais_words(client):
         ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
         ({"presence_penalty": 0.5}, "presence_penalty", "`presence_penalty` is not supported"),
         ({"logit_bias": {"5": 10}}, "logit_bias", "`logit_bias` is not supported"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "`tools` is not supported"),
+        (  # the default model's template teaches no tool-call format: none to read calls in
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool_choice",
+            "teaches it no tool-call format",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
+            | {"response_format": {"type": "json_object"}},
+            "response_format",
+            "`response_format` and `tool_choice` each constrain the output",
+        ),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "g"}}}
+            | {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool_choice",
+            "names 'g', which `tools` lacks",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "goes with, and only with"),
         ({"top_logprobs": 2}, "top_logprobs", "needs `logprobs`"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when `stream`"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "Input should be"),
-        ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages.0.name", "not permitted"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "Input should be"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "has `tool_call_id`"),
+        ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages.0.audio", "not permitted"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages.0.content.0.type",

@@ -3,6 +3,7 @@
 import json
 import shutil
 import unicodedata
+from pathlib import Path
 
 import pytest
 
@@ -189,3 +190,57 @@ def test_token_bytes_of_a_byte_fallback_tokenizer(tmp_path):
         b"\x9a",
         b"\x80",
     ]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather <today> & tomorrow.",  # tojson must not HTML-escape
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {}}},
+]
+TOOL_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Zürich"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no-tools"])
+def test_tools_calls_and_results_render_as_transformers_renders_them(
+    default_model_dir, tmp_path, reference, tools
+):
+    template = (Path(__file__).parents[2] / "hermes_chat_template.jinja").read_text()
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    ours = tokenizer.apply_chat_template(TOOL_CHAT, tools=tools)
+    theirs = reference.apply_chat_template(
+        TOOL_CHAT, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs
+    assert ("<tools>" in ours) == bool(tools) and '"arguments": {"city": "Zürich"}' in ours
+    assert tokenizer.tool_call_format == "hermes"
+
+
+def test_a_template_without_tool_calls_teaches_no_format(tokenizer):
+    assert tokenizer.tool_call_format == ""

@@ -1,0 +1,84 @@
+"""Constraints: what a request's `response_format`, `structured_outputs` (vLLM's extension) or
+forced `tool_choice` asks of the output, as the SDK's constraint keywords (json_schema,
+json_object, regex, choice, grammar). The worker compiles them and refuses, with a 400 here, a
+constraint its grammar engine cannot hold whole.
+
+A forced tool choice is a JSON schema: a named function's output is its arguments; "required"
+is an array of one or more {"name", "arguments"} calls (one when parallel_tool_calls is false),
+each item a call of one of the tools with arguments of that tool's schema.
+"""
+
+from .errors import ApiError
+from .protocol import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    ResponseFormat,
+    Sampling,
+    StructuredOutputs,
+    Tool,
+)
+
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def constraint(body: Sampling) -> dict:
+    """The SDK keyword of the request's one constraint ({}: none); a 400 when two parameters
+    would each constrain the output."""
+    given = {}
+    if body.response_format is not None and body.response_format.type != "text":
+        given["response_format"] = of_response_format(body.response_format)
+    if body.structured_outputs is not None:
+        given["structured_outputs"] = of_structured_outputs(body.structured_outputs)
+    if isinstance(body, ChatCompletionRequest) and body.tool_mode not in ("none", "auto"):
+        given["tool_choice"] = of_tool_choice(body)
+    if len(given) > 1:
+        names = " and ".join(f"`{name}`" for name in given)
+        raise ApiError(400, f"{names} each constrain the output; give one of them", next(iter(given)))
+    return next(iter(given.values()), {})
+
+
+def of_tool_choice(body: ChatCompletionRequest) -> dict:
+    mode = body.tool_mode
+    if isinstance(mode, NamedToolChoice):
+        return of_named_tool(next(t for t in body.tools if t.function.name == mode.function.name))
+    return of_required_tools(body.tools, body.parallel_tool_calls)
+
+
+def of_response_format(response_format: ResponseFormat) -> dict:
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    if response_format.type == "json_schema":
+        return {"json_schema": response_format.json_schema.schema_}
+    return {}
+
+
+def of_structured_outputs(structured: StructuredOutputs) -> dict:
+    name, value = next((n, v) for n, v in structured.fields_given().items() if v)
+    return {"json_schema" if name == "json" else name: value}
+
+
+def of_named_tool(tool: Tool) -> dict:
+    return {"json_schema": _arguments(tool)}
+
+
+def of_required_tools(tools: list[Tool], parallel: bool) -> dict:
+    calls = [_call(tool) for tool in tools]
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return {"json_schema": schema}
+
+
+def _call(tool: Tool) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": _arguments(tool)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _arguments(tool: Tool) -> dict:
+    """The function's parameter schema; none: it takes no arguments (OpenAI's reading)."""
+    parameters = tool.function.parameters
+    return NO_ARGUMENTS if parameters is None else parameters

@@ -1,0 +1,226 @@
+"""Tool calls read from a completion's text, whole or as it streams, in the three ways a chat
+request can ask for them:
+
+- NamedCall: `tool_choice` names a function; the output is constrained to its arguments' JSON, so
+  the whole text is the arguments, streamed as it comes.
+- CallList: `tool_choice: "required"`; the output is constrained to a JSON array of
+  {"name", "arguments"} objects, each call sent once it is whole.
+- HermesCalls: `tool_choice: "auto"` on a chat template that teaches Hermes' format; the model
+  writes text and <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks, as Hermes,
+  Qwen2.5 and Qwen3 do. Text outside the blocks is content; text that may be the start of a tag
+  is held back until it is known not to be; a block whose JSON is not a call stays content.
+
+Each parser takes the text in pieces (feed) and is told when it ends (end); both return the
+content and the parts of calls to send, as OpenAI streams them: a call's first part carries its id
+and name, later parts more of its arguments.
+"""
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import ApiError
+from .protocol import NamedToolChoice
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class CallPart:
+    index: int  # of the call among the choice's calls
+    arguments: str  # more of its arguments' JSON text
+    id: str | None = None  # the first part's alone
+    name: str | None = None
+
+    def body(self) -> dict:
+        """The part as a stream chunk's `tool_calls` entry."""
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
+@dataclass
+class Parsed:
+    content: str = ""
+    calls: list[CallPart] = field(default_factory=list)
+
+    def __add__(self, other: "Parsed") -> "Parsed":
+        return Parsed(self.content + other.content, self.calls + other.calls)
+
+
+def parser_for(mode: str | NamedToolChoice, template_format: str) -> Callable[[], "ToolCallParser"] | None:
+    """What reads a choice's calls for this tool choice (None: tools are not called); `auto` needs
+    a chat template that teaches the model a format to write calls in."""
+    if mode == "none":
+        return None
+    if isinstance(mode, NamedToolChoice):
+        return lambda: NamedCall(mode.function.name)
+    if mode == "required":
+        return CallList
+    if template_format != "hermes":
+        raise ApiError(
+            400,
+            "This model's chat template teaches it no tool-call format, so calls cannot be read from "
+            'its text (`tool_choice: "auto"`, the default with `tools`); ask for `"required"` or a '
+            'named function, which constrain the output to calls, or `"none"`.',
+            "tool_choice",
+        )
+    return HermesCalls
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def whole_calls(parts: list[CallPart]) -> list[dict]:
+    """A completion's calls, each part joined into one, as a whole message's `tool_calls`."""
+    calls: dict[int, dict] = {}
+    for part in parts:
+        if part.id is not None:
+            function = {"name": part.name, "arguments": ""}
+            calls[part.index] = {"id": part.id, "type": "function", "function": function}
+        calls[part.index]["function"]["arguments"] += part.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+class ToolCallParser(ABC):
+    def __init__(self):
+        self.calls = 0  # calls found so far
+
+    @abstractmethod
+    def feed(self, text: str) -> Parsed:
+        """What the next piece of the text adds."""
+
+    def end(self) -> Parsed:
+        """What was held back, once the text is whole."""
+        return Parsed()
+
+    def _call(self, name: str, arguments: str) -> CallPart:
+        part = CallPart(self.calls, arguments, call_id(), name)
+        self.calls += 1
+        return part
+
+
+class NamedCall(ToolCallParser):
+    def __init__(self, name: str):
+        super().__init__()
+        self._name = name
+
+    def feed(self, text: str) -> Parsed:
+        if self.calls == 0:
+            return Parsed(calls=[self._call(self._name, text)])
+        return Parsed(calls=[CallPart(0, text)]) if text else Parsed()
+
+    def end(self) -> Parsed:
+        return self.feed("") if self.calls == 0 else Parsed()
+
+
+class CallList(ToolCallParser):
+    """Reads the array's objects as they close: the grammar wrote it, so it is JSON, but the
+    scanner still tracks strings, in which braces do not count."""
+
+    def __init__(self):
+        super().__init__()
+        self._text = ""
+        self._scanned = self._depth = 0
+        self._in_string = self._escaped = False
+        self._start = -1
+
+    def feed(self, text: str) -> Parsed:
+        self._text += text
+        parsed = Parsed()
+        for i in range(self._scanned, len(self._text)):
+            item = self._scan(i)
+            if item is not None:
+                call = json.loads(item)
+                parsed.calls.append(self._call(call["name"], _compact(call["arguments"])))
+        self._scanned = len(self._text)
+        return parsed
+
+    def _scan(self, i: int) -> str | None:
+        """Advances over character i; the text of an array item that it closes, if it does."""
+        char = self._text[i]
+        if self._in_string:
+            self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
+            return None
+        if char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._depth += 1
+            if self._depth == 2:
+                self._start = i
+        elif char in "}]":
+            self._depth -= 1
+            if self._depth == 1:
+                return self._text[self._start : i + 1]
+        return None
+
+
+class HermesCalls(ToolCallParser):
+    def __init__(self):
+        super().__init__()
+        self._held = ""  # text not yet sent: a possible tag's start, or a block not yet closed
+        self._in_block = False
+
+    def feed(self, text: str) -> Parsed:
+        self._held += text
+        parsed = Parsed()
+        while True:
+            tag = CLOSE if self._in_block else OPEN
+            at = self._held.find(tag)
+            if at < 0:
+                break
+            before, self._held = self._held[:at], self._held[at + len(tag) :]
+            parsed += self._block(before) if self._in_block else self._content(before)
+            self._in_block = not self._in_block
+        if not self._in_block:
+            keep = _tag_start(self._held)
+            parsed += self._content(self._held[: len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep :]
+        return parsed
+
+    def end(self) -> Parsed:
+        held, self._held = self._held, ""
+        return self._block(held, closed=False) if self._in_block else self._content(held)
+
+    def _block(self, inner: str, closed: bool = True) -> Parsed:
+        """A call, or, when the block's JSON is not one, its text as content."""
+        call = _hermes_call(inner)
+        if call is None:
+            return self._content(OPEN + inner + (CLOSE if closed else ""))
+        return Parsed(calls=[self._call(*call)])
+
+    def _content(self, text: str) -> Parsed:
+        """Text between and after calls that is only whitespace (the newlines templates write
+        between blocks) is not content."""
+        if self.calls and not text.strip():
+            return Parsed()
+        return Parsed(content=text)
+
+
+def _hermes_call(inner: str) -> tuple[str, str] | None:
+    try:
+        call = json.loads(inner)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return call["name"], _compact(arguments)
+
+
+def _tag_start(text: str) -> int:
+    """How many of text's last characters may begin the opening tag."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _compact(arguments: dict) -> str:
+    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,82 @@
+"""`tool_choice: "auto"` on a model whose chat template teaches Hermes' tool-call format
+(tests/hermes_chat_template.jinja): the gateway reads <tool_call> blocks from the model's text
+into `tool_calls`, whole and streamed, with the text before them as content. The model has random
+weights, so a regex constraint makes it write a call (vLLM's `structured_outputs` beside tools)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import WorkerProcess
+
+from .conftest import API_KEY, GatewayProcess
+
+TEMPLATE = Path(__file__).parents[1] / "hermes_chat_template.jinja"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    },
+}
+CALL = (
+    r'Sure\. <tool_call>\n\{"name": "get_weather", '
+    r'"arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}\n</tool_call>'
+)
+MESSAGES = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def hermes_client(tmp_path_factory, chat_model, store):
+    model = tmp_path_factory.mktemp("hermes") / "llama"
+    shutil.copytree(chat_model, model)
+    (model / "chat_template.jinja").write_text(TEMPLATE.read_text())  # wins over tokenizer_config's
+    worker = WorkerProcess(model, store.address, tmp_path_factory.mktemp("hermes-cache") / "cache").start()
+    log = tmp_path_factory.mktemp("hermes-gateway") / "gateway.log"
+    gateway = GatewayProcess(log, "--worker", worker.address, "--store", store.address, "--api-key", API_KEY)
+    with OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        yield client, model.name
+    assert gateway.stop() == 0, log.read_text()[-3000:]
+    worker.terminate()
+    assert worker.wait() == 0
+
+
+def test_a_hermes_block_becomes_a_tool_call_whole_and_streamed(hermes_client):
+    client, model = hermes_client
+    ask = dict(
+        model=model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        max_tokens=80,
+        extra_body={"structured_outputs": {"regex": CALL}},
+    )
+    whole = client.chat.completions.create(**ask).choices[0]
+    with client.chat.completions.stream(**ask) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    for choice in (whole, streamed):
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Sure. "
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
+
+
+def test_text_without_a_block_is_content(hermes_client):
+    client, model = hermes_client
+    choice = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        max_tokens=8,
+        extra_body={"structured_outputs": {"regex": "No call: [a-z]{4}"}},
+    ).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert choice.message.content.startswith("No call: ")

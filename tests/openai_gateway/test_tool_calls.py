@@ -1,0 +1,123 @@
+"""Tool calls read from completion text (openai_gateway/tool_calls.py): whatever pieces a stream
+brings the text in, the calls and content sent add up to what the whole text gives; Hermes blocks
+become calls, text around them content, and what is not a call stays text."""
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from openai_gateway.errors import ApiError
+from openai_gateway.protocol import FunctionName, NamedToolChoice
+from openai_gateway.tool_calls import CallList, HermesCalls, NamedCall, Parsed, parser_for, whole_calls
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+HERMES = {
+    "calls": (
+        f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
+        '{"name": "time", "arguments": {"tz": "<tool_call>}"}}\n</tool_call>'
+    ),
+    "text only": "No tools needed: 1 < 2 and <b>bold</b>.",
+    "bad json": "<tool_call>{not json}</tool_call> after",
+    "unclosed": f"<tool_call>{WEATHER}",
+    "unclosed bad": "so <tool_call>{half",
+    "partial tag at end": "ends with <tool_",
+}
+
+
+def _whole(parser, text: str) -> Parsed:
+    return parser.feed(text) + parser.end()
+
+
+def _streamed(parser, text: str, cuts: list[int]) -> Parsed:
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    parsed = Parsed()
+    for start, end in itertools.pairwise(bounds):
+        parsed += parser.feed(text[start:end])
+    return parsed + parser.end()
+
+
+def _calls(parsed: Parsed) -> list[tuple[str, dict]]:
+    return [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole_calls(parsed.calls)
+    ]
+
+
+def test_hermes_blocks_become_calls_and_the_text_before_them_content():
+    parsed = _whole(HermesCalls(), HERMES["calls"])
+    assert parsed.content == "Let me check.\n"  # the newlines between blocks are not content
+    assert _calls(parsed) == [
+        ("get_weather", {"city": "Paris", "unit": "c"}),
+        ("time", {"tz": "<tool_call>}"}),
+    ]
+    ids = [c["id"] for c in whole_calls(parsed.calls)]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
+
+
+@pytest.mark.parametrize(
+    ("case", "content", "calls"),
+    [
+        ("text only", HERMES["text only"], []),
+        ("bad json", HERMES["bad json"], []),
+        ("unclosed", "", [("get_weather", {"city": "Paris", "unit": "c"})]),
+        ("unclosed bad", HERMES["unclosed bad"], []),
+        ("partial tag at end", HERMES["partial tag at end"], []),
+    ],
+)
+def test_what_is_not_a_whole_call_stays_text(case, content, calls):
+    parsed = _whole(HermesCalls(), HERMES[case])
+    assert (parsed.content, _calls(parsed)) == (content, calls)
+
+
+@given(case=st.sampled_from(sorted(HERMES)), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_hermes_streamed_in_any_pieces_adds_up_to_the_whole(case, cuts):
+    text = HERMES[case]
+    whole, streamed = (
+        _whole(HermesCalls(), text),
+        _streamed(HermesCalls(), text, [c % (len(text) + 1) for c in cuts]),
+    )
+    assert streamed.content == whole.content
+    assert _calls(streamed) == _calls(whole)
+
+
+@given(cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_a_required_call_list_streamed_in_any_pieces_gives_each_call_once_whole(cuts):
+    text = json.dumps(
+        [
+            {"name": "get_weather", "arguments": {"city": 'Pa\\"ris}', "days": [1, {"x": "]"}]}},
+            {"name": "time", "arguments": {}},
+        ],
+        separators=(",", ":"),
+    )
+    parser = CallList()
+    bounds = [0, *sorted({c % (len(text) + 1) for c in cuts}), len(text)]
+    pieces = [parser.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
+    parsed = sum(pieces, Parsed()) + parser.end()
+    assert parsed.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": 'Pa\\"ris}', "days": [1, {"x": "]"}]}),
+        ("time", {}),
+    ]
+    assert all(p.id is not None for p in parsed.calls)  # each call goes out whole, in one part
+
+
+def test_a_named_call_streams_its_arguments_as_they_come():
+    parser = NamedCall("get_weather")
+    first, second, last = parser.feed('{"city"'), parser.feed(':"Rome"}'), parser.end()
+    assert first.calls[0].body()["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    assert second.calls[0].body() == {"index": 0, "function": {"arguments": ':"Rome"}'}}
+    assert last == Parsed()
+    assert _calls(first + second) == [("get_weather", {"city": "Rome"})]
+
+
+def test_auto_needs_a_template_that_teaches_a_format_and_the_others_do_not():
+    with pytest.raises(ApiError, match="teaches it no tool-call format") as raised:
+        parser_for("auto", "")
+    assert raised.value.param == "tool_choice"
+    assert parser_for("auto", "hermes") is HermesCalls
+    assert parser_for("required", "") is CallList
+    assert parser_for("none", "hermes") is None
+    named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "")
+    assert isinstance(named(), NamedCall)
