@@ -164,7 +164,8 @@ class Engine:
 
     def submit(self, request: Request, sink: Callable[[Delta], None]) -> None:
         """Queue a request; `sink` receives its deltas from the stepping thread. A constrained
-        request's constraint is compiled first, in this thread (stream() compiles off the loop)."""
+        request's constraint is compiled first, while this thread waits (stream() waits without
+        holding one)."""
         self._check(request)
         self._enqueue(request, sink, self._matcher(request))
 
@@ -217,7 +218,7 @@ class Engine:
         self._check(request)
         matcher = None
         if request.params.structured is not None:  # compiled on a thread: the loop serves others
-            matcher = await asyncio.to_thread(self._matcher, request)
+            matcher = await self.grammars.matcher_async(request.params.structured)
         self._enqueue(request, queue.put, matcher)
         finished = False
         try:
@@ -232,6 +233,8 @@ class Engine:
     # --- the engine thread ----------------------------------------------------------------
 
     def start(self) -> None:
+        if self.grammars is not None:
+            self.grammars.prepare()  # it stalls every thread a moment: before any request, not amid them
         self._thread.start()
 
     def stop(self) -> None:

@@ -5,8 +5,10 @@ validated against the model's tokenizer, a matcher built and its first mask comp
 the lexer states), and kept in a bounded cache keyed by the constraint; each request gets a copy of
 that matcher. A caller waits at most `timeout_s` for a compile (the compile itself goes on and is
 cached), and never holds a lock while it waits, so one slow constraint delays only its own
-requests. Requests may be submitted from several threads at once; the step thread never compiles."""
+requests; an event loop waits without holding a thread (matcher_async). Requests may be submitted
+from several threads at once; the step thread never compiles."""
 
+import asyncio
 import json
 import re
 import threading
@@ -57,7 +59,22 @@ class Grammars:
     def matcher(self, structured: Structured) -> llguidance.LLMatcher:
         """A new matcher at the start of `structured`'s output; InvalidArgument naming what is wrong
         with a constraint the grammar engine refuses, or when it compiles for longer than the
-        timeout. Blocks its caller while the constraint compiles: call it off the event loop."""
+        timeout. Blocks its caller while the constraint compiles."""
+        try:
+            return self._compiling(structured).result(timeout=self._timeout_s).deep_copy()
+        except CompileTimeout:
+            raise self._too_slow(structured) from None
+
+    async def matcher_async(self, structured: Structured) -> llguidance.LLMatcher:
+        """matcher() for the event loop: it waits for the compile without holding a thread."""
+        compiled = asyncio.shield(asyncio.wrap_future(self._compiling(structured)))  # shared: never cancelled
+        try:
+            return (await asyncio.wait_for(compiled, self._timeout_s)).deep_copy()
+        except TimeoutError:
+            raise self._too_slow(structured) from None
+
+    def _compiling(self, structured: Structured) -> Future:
+        """The constraint's compile, started now or found in the cache."""
         with self._lock:
             self.requests += 1
             compiled = self._compiled.get(structured)
@@ -69,14 +86,20 @@ class Grammars:
             else:
                 self.hits += 1
                 self._compiled.move_to_end(structured)
-        try:
-            return compiled.result(timeout=self._timeout_s).deep_copy()
-        except CompileTimeout:
-            raise InvalidArgument(
-                f"structured output {structured.kind} took longer than {self._timeout_s:g} s to "
-                "compile (--grammar-compile-timeout); it goes on compiling, and a request with the "
-                "same constraint will find it compiled"
-            ) from None
+        return compiled
+
+    def _too_slow(self, structured: Structured) -> InvalidArgument:
+        return InvalidArgument(
+            f"structured output {structured.kind} took longer than {self._timeout_s:g} s to "
+            "compile (--grammar-compile-timeout); it goes on compiling, and a request with the "
+            "same constraint will find it compiled"
+        )
+
+    def prepare(self) -> None:
+        """Builds the grammar engine's view of the tokenizer now: its token trie, about 0.3 s on a
+        49k vocabulary during which it holds the GIL, so every thread of the process waits. A
+        serving engine builds it before it serves (Engine.start), not at its first constraint."""
+        _ = self._tokenizer
 
     def stats(self) -> GrammarStats:
         with self._lock:
@@ -87,15 +110,14 @@ class Grammars:
 
     @property
     def _tokenizer(self) -> llguidance.LLTokenizer:
-        """Built at the first constraint, not with every engine: a fifth of a second on a 49k
-        vocabulary, and a second more for the first mask ever computed with it (its token trie),
-        which is computed here too, on the compile thread, rather than in a step."""
+        """Built by prepare(), or else at the first constraint (an engine that only runs
+        generate() need not pay for it)."""
         with self._tokenizer_lock:
             if self._llg_tokenizer is None:
                 path, vocab_size, eos = self._source
-                tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=eos)
-                _first_mask(llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_regex("a")))
-                self._llg_tokenizer = tokenizer
+                self._llg_tokenizer = llguidance.LLTokenizer(
+                    path.read_text(), n_vocab=vocab_size, eos_token=eos
+                )
             return self._llg_tokenizer
 
     def _compile(self, structured: Structured) -> llguidance.LLMatcher:
@@ -121,15 +143,10 @@ class Grammars:
         if problems:
             raise InvalidArgument(refused + "; ".join(problems))
         matcher = llguidance.LLMatcher(tokenizer, grammar)
-        _first_mask(matcher)  # builds the lexer states every copy shares
+        matcher.compute_bitmask()  # the first mask's lexer states, which every copy shares, built here
         if matcher.is_error():
             raise InvalidArgument(refused + matcher.get_error())
         return matcher
-
-
-def _first_mask(matcher: llguidance.LLMatcher) -> None:
-    """Computes the matcher's first mask now (what it builds lazily, once, is built here)."""
-    matcher.compute_bitmask()
 
 
 def _grammar(structured: Structured) -> str:

@@ -109,7 +109,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     softmax(penalized logits[r] / temperature[r]) restricted by top-k, top-p and min-p.
 
     Logprobs are of the raw model distribution, log_softmax(logits) as given, before the penalty,
-    temperature or any filter (as vLLM returns them by default). `logits` is left unchanged.
+    temperature or any filter (as vLLM returns them by default); a constrained row's logits come
+    already masked (engine/grammars.py), so its logprobs are of the tokens its constraint allows.
+    `logits` is left unchanged.
     """
     scores = _apply_penalty(logits, batch) if batch.penalty_rows is not None else logits  # [rows, vocab]
     token_ids = scores.argmax(dim=-1)  # [rows]; sampled rows overwrite theirs below

@@ -156,6 +156,7 @@ class EngineCollector(Collector):
             "memory (fetch, verify, prepare); its count is the loads",
             stats.adapter_load_seconds,
         )
+        yield from _grammar_families(stats)
         yield _lora_requests_info(stats, config.max_loras)
 
 
@@ -277,6 +278,27 @@ def _rank_families(stats: EngineStats) -> Iterator[Metric]:
         "loramux:collective_seconds",
         "Seconds rank 0 spent in exchanges with the other tensor-parallel ranks",
         stats.collective_seconds,
+    )
+
+
+def _grammar_families(stats: EngineStats) -> Iterator[Metric]:
+    """Structured outputs: every read of GrammarStats is here."""
+    grammars = stats.grammars
+    yield CounterMetricFamily(
+        "loramux:structured_requests",
+        "Requests with an output constraint (a JSON schema, JSON object, regex, choice or grammar)",
+        grammars.requests,
+    )
+    yield CounterMetricFamily(
+        "loramux:grammar_cache_hits",
+        "Constrained requests whose constraint was compiled already, or compiling",
+        grammars.hits,
+    )
+    yield _histogram(
+        "loramux:grammar_compile_seconds",
+        "Seconds to compile an output constraint (--grammar-compile-timeout bounds the wait, "
+        "not the compile); its count is the compiles",
+        grammars.compile_seconds,
     )
 
 

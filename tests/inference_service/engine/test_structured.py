@@ -4,10 +4,14 @@ tokens it allows. On the tiny llama with the default model's tokenizer (random w
 whatever the model says is the constraint's doing): greedy output equals transformers' logits
 masked by hand with the same grammar engine; sampled outputs at temperature 1 validate against
 their schemas; an unconstrained request beside constrained ones gives its tokens alone; a broken
-constraint is refused before any token."""
+constraint is refused before any token. A constraint compiles beside the running steps (a cold
+one, with the grammar engine's tokenizer, takes a fifth of a second or more), within a bound, and
+survives preemption."""
 
+import asyncio
 import json
 import re
+import time
 
 import jsonschema
 import llguidance
@@ -61,6 +65,10 @@ def _text(engine, tokens: list[int]) -> str:
 
 def _prompt(engine) -> list[int]:
     return engine.tokenizer.encode("Describe a person as JSON.")
+
+
+def _json(engine, out) -> object:
+    return json.loads(_text(engine, [t for t in out.token_ids if t not in engine.tokenizer.eos_token_ids]))
 
 
 def test_greedy_output_equals_the_logits_masked_by_hand(engine, tiny_chat_model):
@@ -275,3 +283,172 @@ def test_the_cache_keeps_the_most_recent_constraints(tiny_chat_model):
     assert (engine.grammars.compiles, engine.grammars.hits) == (CACHE_SIZE + 1, 1)
     engine.grammars.matcher(constraints[0])  # the oldest, dropped: compiled again
     assert engine.grammars.compiles == CACHE_SIZE + 2
+
+
+# Optional properties, each with a pattern: llguidance takes a tenth of a second or more to compile
+# it (under the 64 KiB bound), with the GIL released.
+MANY_FIELDS = {
+    "type": "object",
+    "properties": {
+        f"f{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 11 + 9}}}[0-9]{{2}}$"}
+        for i in range(900)
+    },
+}
+
+
+def test_streams_keep_their_tokens_coming_while_a_constraint_compiles(tiny_chat_model):
+    """A cold engine's first constraint, a slow one. Unconstrained streams run all along (one
+    after another: the tiny model's window is short); while the constraint compiles, their deltas
+    keep arriving, one per step, rather than waiting for the compile and arriving joined after it.
+    The longest wait printed is that of the grammar engine's tokenizer, built at the first
+    constraint: llguidance holds the GIL while it builds one (a third of a second here)."""
+    engine = Engine(EngineConfig(model=str(tiny_chat_model), kv_cache_tokens=1024, max_model_len=256))
+    prompt = _prompt(engine)
+    plain = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    structured = Structured("json_schema", json.dumps(MANY_FIELDS))
+    engine.start()
+
+    async def scenario():
+        arrivals: list[float] = []
+        constrained_done = asyncio.Event()
+
+        async def plain_traffic():
+            while not constrained_done.is_set():
+                async for _ in engine.stream(Request(prompt, params=plain)):
+                    arrivals.append(time.perf_counter())
+
+        traffic = asyncio.create_task(plain_traffic())
+        while len(arrivals) < 5:
+            await asyncio.sleep(0.001)
+        start = time.perf_counter()
+        request = Request(prompt, params=SamplingParams(max_tokens=8, temperature=0, structured=structured))
+        deltas = []
+        async for d in engine.stream(request):
+            deltas.append((time.perf_counter(), d))
+        constrained_done.set()
+        await traffic
+        return arrivals, start, deltas
+
+    try:
+        arrivals, start, deltas = asyncio.run(scenario())
+        compile_s = engine.stats().grammars.compile_seconds.total
+    finally:
+        engine.stop()
+    assert _text(engine, [t for _, d in deltas for t in d.token_ids]).startswith("{")
+    end = start + compile_s
+    during = [t for t in arrivals if start < t < end]
+    waits = [b - a for a, b in zip([start, *during], [*during, end], strict=True)]
+    print(
+        f"cold compile {compile_s * 1e3:.0f} ms, first constrained token after "
+        f"{(deltas[0][0] - start) * 1e3:.0f} ms; {len(during)} unconstrained deltas during the "
+        f"compile, the longest wait for one {max(waits) * 1e3:.1f} ms"
+    )
+    assert len(during) >= 3, (compile_s, waits)
+
+
+def test_a_compile_past_the_timeout_is_refused_and_then_served_from_the_cache(tiny_chat_model):
+    config = EngineConfig(
+        model=str(tiny_chat_model), kv_cache_tokens=512, max_model_len=256, grammar_compile_timeout_s=0.001
+    )
+    engine = Engine(config)  # cold: the first compile builds the grammar engine's tokenizer too
+    params = SamplingParams(
+        max_tokens=60, temperature=0, structured=Structured("json_schema", json.dumps(SMALL))
+    )
+    with pytest.raises(InvalidArgument, match="--grammar-compile-timeout"):
+        engine.generate([Request(_prompt(engine), params=params)])
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (unconstrained,) = engine.generate([Request(_prompt(engine), params=plain)])
+    assert unconstrained.finish_reason == "length" and len(unconstrained.token_ids) == 8
+
+    deadline = time.monotonic() + 30
+    while engine.grammars.stats().compiles == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the refused request's compile goes on
+    (served,) = engine.generate([Request(_prompt(engine), params=params)])
+    assert served.finish_reason == "stop"
+    jsonschema.validate(_json(engine, served), SMALL)
+    grammars = engine.stats().grammars
+    assert (grammars.requests, grammars.compiles, grammars.hits) == (2, 1, 1)
+
+
+def test_a_preempted_constrained_request_resumes_where_its_output_was(tiny_chat_model):
+    """A KV cache of 24 blocks of 4: three unconstrained requests and a constrained one (the last
+    admitted, so the first preempted) cannot all grow; the constrained one gives its blocks back,
+    is computed again and goes on with the same matcher: its output is what it is alone."""
+    config = EngineConfig(model=str(tiny_chat_model), kv_cache_tokens=96, block_size=4, max_model_len=96)
+    engine = Engine(config)
+    prompt = _prompt(engine)
+    structured = SamplingParams(
+        max_tokens=80, temperature=0, structured=Structured("json_schema", json.dumps(PERSON))
+    )
+    (alone,) = engine.generate([Request(prompt, params=structured)])
+    assert alone.preemptions == 0 and engine.stats().scheduler.preemptions == 0
+    others = [
+        Request(
+            engine.tokenizer.encode(f"Count to {n}."), params=SamplingParams(max_tokens=60, ignore_eos=True)
+        )
+        for n in range(3)
+    ]
+    *_, preempted = engine.generate([*others, Request(prompt, params=structured)])
+    assert preempted.preemptions > 0
+    assert preempted.token_ids == alone.token_ids and preempted.finish_reason == "stop"
+    jsonschema.validate(_json(engine, preempted), PERSON)
+
+
+def test_seeded_samples_of_one_constraint_each_validate_and_repeat(engine):
+    """Several samples of one constrained request (a seed each, in one batch) each validate, and
+    the same seeds in another batch, in another order, draw the same tokens."""
+    structured = Structured("json_schema", json.dumps(PERSON))
+    seeds = [11, 12, 13]
+    requests = [
+        Request(
+            _prompt(engine),
+            params=SamplingParams(max_tokens=200, temperature=1.0, seed=s, structured=structured),
+        )
+        for s in seeds
+    ]
+    first = engine.generate(requests)
+    again = engine.generate([Request(r.prompt_token_ids, params=r.params) for r in reversed(requests)])[::-1]
+    for out in first:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(_json(engine, out), PERSON)
+    assert len({tuple(out.token_ids) for out in first}) > 1  # the seeds draw different samples
+    assert [out.token_ids for out in again] == [out.token_ids for out in first]
+
+
+def test_a_stop_string_ends_a_constrained_output_with_a_logprob_per_token(engine):
+    """The constraint would go on past the first "-"; the stop string ends the output there. The
+    same seed without it draws the same tokens up to there and on."""
+    structured = Structured("regex", r"[a-z]{4}-[a-z]{4}-[a-z]{4}")
+
+    def params(**stop):
+        return SamplingParams(
+            max_tokens=40, temperature=1.0, seed=5, logprobs=3, structured=structured, **stop
+        )
+
+    (stopped,) = engine.generate([Request(_prompt(engine), params=params(stop=["-"]))])
+    (whole,) = engine.generate([Request(_prompt(engine), params=params())])
+    assert stopped.finish_reason == "stop" and re.fullmatch(r"[a-z]{4}", stopped.text), stopped.text
+    assert re.fullmatch(r"[a-z]{4}-[a-z]{4}-[a-z]{4}", whole.text) and whole.text.startswith(
+        stopped.text + "-"
+    )
+    assert len(stopped.token_ids) < len(whole.token_ids)
+    assert stopped.token_ids == whole.token_ids[: len(stopped.token_ids)]
+    assert len(stopped.logprobs) == len(stopped.token_ids)
+    for token, lp in zip(stopped.token_ids, stopped.logprobs, strict=True):
+        assert len(lp.top) == 3 and lp.logprob > float("-inf") and lp.top[0][1] >= lp.logprob, (token, lp)
+
+
+def test_stats_count_constrained_requests_compiles_and_hits(tiny_chat_model):
+    engine = Engine(EngineConfig(model=str(tiny_chat_model), kv_cache_tokens=512, max_model_len=256))
+    assert engine.stats().grammars.requests == 0
+    x, y = Structured("choice", choices=("yes", "no")), Structured("regex", "[0-9]{3}")
+    prompt = _prompt(engine)
+
+    def request(structured):
+        return Request(prompt, params=SamplingParams(max_tokens=8, structured=structured))
+
+    engine.generate([request(x), request(x), request(y)])
+    engine.generate([request(x), request(None)])
+    grammars = engine.stats().grammars
+    assert (grammars.requests, grammars.compiles, grammars.hits) == (4, 2, 2)
+    assert grammars.compile_seconds.count == 2 and grammars.compile_seconds.total > 0

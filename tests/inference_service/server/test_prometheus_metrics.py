@@ -1,8 +1,10 @@
 """A real worker process started with --metrics-listen 127.0.0.1:0, fetching adapters from a real
 store: its /metrics, scraped over HTTP and parsed by prometheus-client, counts the Generate calls
 by adapter and status, times the streams, sums their tokens and names running and waiting
-adapters the way vLLM's lora_requests_info does."""
+adapters the way vLLM's lora_requests_info does. A second worker, on a model with a tokenizer and
+no store, counts constrained requests and their compiles."""
 
+import json
 import time
 
 import grpc
@@ -142,3 +144,39 @@ def test_prefix_cache_use_and_preemptions_are_exported(worker, stub):
     assert value(after, "loramux:kv_cache_blocks_cached") >= 2  # kept for the next request
     assert value(after, "loramux:kv_cache_usage_perc") == 0  # none held: nothing runs
     assert value(after, "loramux:num_preemptions_total") == 0
+
+
+@pytest.fixture(scope="module")
+def chat_worker(tmp_path_factory, tiny_chat_model):
+    """A worker whose model has a tokenizer, which constrained requests need; base model only."""
+    cache = tmp_path_factory.mktemp("metrics-chat-worker") / "cache"
+    flags = ["--kv-cache-tokens", "1024", "--metrics-listen", "127.0.0.1:0"]
+    process = WorkerProcess(tiny_chat_model, None, cache, *flags)
+    process.start()
+    process.metrics = logged_metrics_address(process.log)
+    yield process
+    process.terminate()
+    assert process.wait() == 0
+
+
+def test_constrained_requests_and_their_compiles_are_exported(chat_worker):
+    """The same constraint twice: two constrained requests, one compile, one cache hit."""
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    params = pb.SamplingParams(max_tokens=12, temperature=0, json_schema=schema)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=params)
+    before = scrape(chat_worker.metrics)
+    with grpc.insecure_channel(chat_worker.address) as channel:
+        stub = inference_grpc.InferenceServiceStub(channel)
+        for _ in range(2):
+            assert _tokens(stub, request)
+        _tokens(stub, _request("", [5, 6, 7], 3))  # unconstrained: counted nowhere here
+    after = scrape(chat_worker.metrics)
+
+    def grew(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert grew("loramux:structured_requests_total") == 2
+    assert grew("loramux:grammar_cache_hits_total") == 1
+    assert grew("loramux:grammar_compile_seconds_count") == 1
+    assert grew("loramux:grammar_compile_seconds_sum") > 0
+    assert value(after, "loramux:grammar_compile_seconds_bucket", le="+Inf") == 1
