@@ -61,6 +61,22 @@ def timed_step(engine: Engine) -> tuple[float, int]:
     return time.perf_counter() - start, batch if decoding else 0
 
 
+def full_batch_steps(runs: list[tuple[Engine, list[Request]]]) -> list[list[float]]:
+    """Submits each engine's requests, then steps the engines in turn, one step each, to their
+    end: the seconds of each step in which all of an engine's requests decoded, per engine."""
+    for e, requests in runs:
+        for r in requests:
+            e.submit(r, lambda delta: None)
+    seconds: list[list[float]] = [[] for _ in runs]
+    while any(e.has_work for e, _ in runs):
+        for i, (e, requests) in enumerate(runs):
+            if e.has_work:
+                took, batch = timed_step(e)
+                if batch == len(requests):
+                    seconds[i].append(took)
+    return seconds
+
+
 def engines_with_adapters(
     model_dir: Path, counts: Sequence[int], kv_tokens: int, progress: Callable[[str], None]
 ) -> dict[int, Engine]:

@@ -176,6 +176,18 @@ def vocab_adapters(result: dict, path: Path) -> None:
     save(fig, path)
 
 
+def structured(result: dict, path: Path) -> None:
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    ratio = statistics.median(result["ratios"])
+    rates = {name.replace(" constrained", "\nconstrained"): v for name, v in result["decode_tok_s"].items()}
+    bars_with_rounds(left, rates, "decode tok/s", f"32 requests, ratio {ratio:.3f}")
+    ttft = {name.replace(" ", "\n", 2): [1e3 * s for s in v] for name, v in result["ttft_s"].items()}
+    bars_with_rounds(right, ttft, "time to first token, ms", "one request alone")
+    right.tick_params(axis="x", labelsize=7)
+    save(fig, path)
+
+
 def tensor_parallel(result: dict, path: Path) -> None:
     fig = Figure(figsize=(7.2, 3.6))
     ax = fig.add_subplot()

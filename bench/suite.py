@@ -29,6 +29,7 @@ from bench import (
     scaling,
     slot_activation,
     store_register,
+    structured,
     tensor_parallel,
     vocab_adapters,
 )
@@ -102,6 +103,7 @@ BENCHMARKS = (
     Benchmark(
         "vocab_adapters", "Vocabulary-side adapters", vocab_adapters.vocab_adapters, plots.vocab_adapters, 5
     ),
+    Benchmark("structured", "Structured outputs", structured.structured, plots.structured, 5),
 )
 
 

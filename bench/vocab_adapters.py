@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.cache import default_model_dir
-from bench.engine_overhead import prompt_ids, timed_step
+from bench.engine_overhead import full_batch_steps, prompt_ids
 from bench.random_adapter import write_random_adapter
 from bench.report import markdown_table
 from inference_service.adapters.adapter_image import AdapterImage
@@ -108,17 +108,12 @@ def decode_steps(runs: list[tuple[Engine, list[str]]], prompt: int, tokens: int)
     """Seconds of each step in which all of an engine's requests decoded, for each (engine,
     adapters of its requests); the engines step in turn, one step each."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    for e, adapters in runs:
-        for i, adapter in enumerate(adapters):
-            e.submit(Request(prompt_ids(i, prompt), adapter, params), lambda delta: None)
-    seconds: list[list[float]] = [[] for _ in runs]
-    while any(e.has_work for e, _ in runs):
-        for i, (e, adapters) in enumerate(runs):
-            if e.has_work:
-                took, batch = timed_step(e)
-                if batch == len(adapters):
-                    seconds[i].append(took)
-    return seconds
+    return full_batch_steps(
+        [
+            (e, [Request(prompt_ids(i, prompt), a, params) for i, a in enumerate(adapters)])
+            for e, adapters in runs
+        ]
+    )
 
 
 def greedy_tokens(e: Engine, adapters: list[str], prompt: int, tokens: int) -> list[list[int]]:

@@ -43,7 +43,7 @@ from inference_service.engine.streams import Streams
 from inference_service.engine.tokenizer import Tokenizer
 from inference_service.torch_threads import in_passing_thread, per_rank
 from shared.base_vocab import BaseVocab
-from shared.errors import FailedPrecondition, LoramuxError, NotFound, Unavailable, brief
+from shared.errors import FailedPrecondition, InvalidArgument, LoramuxError, NotFound, Unavailable, brief
 from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
 
@@ -182,8 +182,7 @@ class Engine:
     def _enqueue(self, request: Request, sink: Callable[[Delta], None], matcher: object | None) -> None:
         # the content it keeps to its end
         digest = self.loader.digest_of(request.adapter) if request.adapter is not None else None
-        seq = _sequence(request, self.runner.device, digest)
-        seq.matcher = matcher
+        seq = _sequence(request, self.runner.device, digest, matcher)
         self.streams.open(seq, sink)
         self._inbox.post(lambda: self.scheduler.add(seq))
 
@@ -316,6 +315,9 @@ class Engine:
         tokens = out.result.token_ids
         self.scheduler.postprocess(out.computed, list(zip(out.sampled, tokens, strict=True)))
         for seq, token, logprobs in zip(out.sampled, tokens, out.result.logprobs, strict=True):
+            if seq.matcher is not None and seq.matcher.is_error():  # its token is not sent
+                self._finish(seq, "error", _left_constraint(seq))
+                continue
             reason = self.streams.emit(seq, token, logprobs)
             if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
                 reason = "stop"  # the constraint's output is whole
@@ -363,10 +365,27 @@ class Engine:
         self.streams.close(seq, error)
 
 
-def _sequence(request: Request, device: torch.device, digest: str | None) -> Sequence:
+def _sequence(request: Request, device: torch.device, digest: str | None, matcher: object | None) -> Sequence:
     generator = generator_for(request.params, device)  # a seeded request's own, for its whole life
     prompt = list(request.prompt_token_ids)
-    return Sequence(request.request_id, prompt, request.params, request.adapter, digest, generator=generator)
+    return Sequence(
+        request.request_id,
+        prompt,
+        request.params,
+        request.adapter,
+        digest,
+        generator=generator,
+        matcher=matcher,
+    )
+
+
+def _left_constraint(seq: Sequence) -> InvalidArgument:
+    """The grammar engine stopped following the output: a token its mask forbade (never, while
+    masks hold) or a step past its limits on a constraint's work."""
+    problem = seq.matcher.get_error().splitlines()[0]
+    return InvalidArgument(
+        f"structured output: the grammar engine could not go on ({problem}); the request was stopped"
+    )
 
 
 def _overflowed(seq: Sequence, dtype: str) -> FailedPrecondition:

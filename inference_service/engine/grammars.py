@@ -180,8 +180,9 @@ def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # [c, words]
     for j, i in enumerate(rows):
         matchers[i].unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
-    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [c, words, 32]
-    allowed = bits.flatten(1)[:, :vocab].bool().to(logits.device)  # [c, vocab]
+    bitmask = bitmask.to(logits.device)  # unpacked there: a 32nd of the bytes of the bool mask
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [c, vocab]
     masked = logits.clone()
     masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return masked

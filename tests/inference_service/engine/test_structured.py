@@ -19,7 +19,8 @@ import llguidance.torch
 import pytest
 import torch
 
-from inference_service.engine import Engine, EngineConfig, Request
+from inference_service.engine import Engine, EngineConfig, Request, model_runner
+from inference_service.engine.grammars import Grammars
 from inference_service.sampling import SamplingParams, Structured
 from shared.errors import InvalidArgument
 
@@ -287,25 +288,27 @@ def test_the_cache_keeps_the_most_recent_constraints(tiny_chat_model):
 
 # Optional properties, each with a pattern: llguidance takes a tenth of a second or more to compile
 # it (under the 64 KiB bound), with the GIL released.
-MANY_FIELDS = {
-    "type": "object",
-    "properties": {
-        f"f{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 11 + 9}}}[0-9]{{2}}$"}
-        for i in range(900)
-    },
-}
+SLOW_COMPILE_S = 0.5
 
 
-def test_streams_keep_their_tokens_coming_while_a_constraint_compiles(tiny_chat_model):
-    """A cold engine's first constraint, a slow one. Unconstrained streams run all along (one
-    after another: the tiny model's window is short); while the constraint compiles, their deltas
-    keep arriving, one per step, rather than waiting for the compile and arriving joined after it.
-    The longest wait printed is that of the grammar engine's tokenizer, built at the first
-    constraint: llguidance holds the GIL while it builds one (a third of a second here)."""
+def test_streams_keep_their_tokens_coming_while_a_constraint_compiles(tiny_chat_model, monkeypatch):
+    """A constraint that takes half a second to compile. No schema within the 64 KiB bound takes
+    llguidance that long (60 ms at most, measured), so its compile is made slow here: it first
+    sleeps, letting go of the GIL as llguidance does while it compiles. Unconstrained streams run
+    all along (one after another: the tiny model's window is short); while the constraint
+    compiles, their deltas keep arriving, one per step, rather than waiting for the compile and
+    arriving joined after it."""
+    compile_now = Grammars._matcher_of
+
+    def slow_compile(grammars, structured):
+        time.sleep(SLOW_COMPILE_S)
+        return compile_now(grammars, structured)
+
+    monkeypatch.setattr(Grammars, "_matcher_of", slow_compile)
     engine = Engine(EngineConfig(model=str(tiny_chat_model), kv_cache_tokens=1024, max_model_len=256))
     prompt = _prompt(engine)
     plain = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    structured = Structured("json_schema", json.dumps(MANY_FIELDS))
+    structured = Structured("json_schema", json.dumps(PERSON))
     engine.start()
 
     async def scenario():
@@ -452,3 +455,22 @@ def test_stats_count_constrained_requests_compiles_and_hits(tiny_chat_model):
     grammars = engine.stats().grammars
     assert (grammars.requests, grammars.compiles, grammars.hits) == (4, 2, 2)
     assert grammars.compile_seconds.count == 2 and grammars.compile_seconds.total > 0
+
+
+def test_an_output_the_grammar_engine_stops_following_ends_in_an_error_not_a_stop(engine, monkeypatch):
+    """Fault injection: masks that mask nothing let a token the constraint refuses be drawn (as a
+    grammar engine past its limits on a step would leave its matcher). The request ends with
+    INVALID_ARGUMENT naming the grammar engine's error, without that token, not as a whole output;
+    the unconstrained request beside it runs on."""
+    monkeypatch.setattr(model_runner, "mask_rows", lambda logits, matchers: logits)
+    choice = Structured("choice", choices=("yes", "no"))
+    left, free = engine.generate(
+        [
+            Request(_prompt(engine), params=SamplingParams(max_tokens=5, temperature=0, structured=choice)),
+            Request(_prompt(engine), params=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
+        ]
+    )
+    assert left.finish_reason == "error" and isinstance(left.error, InvalidArgument)
+    assert "structured output: the grammar engine could not go on" in str(left.error)
+    assert left.token_ids == []
+    assert free.finish_reason == "length" and len(free.token_ids) == 5
