@@ -474,3 +474,17 @@ def test_an_output_the_grammar_engine_stops_following_ends_in_an_error_not_a_sto
     assert "structured output: the grammar engine could not go on" in str(left.error)
     assert left.token_ids == []
     assert free.finish_reason == "length" and len(free.token_ids) == 5
+
+
+def test_a_constrained_request_on_a_cached_prefix_gives_what_it_gives_computed_in_full(engine):
+    """The prompt's KV blocks from the prefix cache (computed for an earlier request) leave the
+    constraint to the matcher: the same greedy output as when the prompt was computed in full."""
+    prompt = engine.tokenizer.encode("A person, as JSON, whose name is long enough to fill a block: ")
+    params = SamplingParams(
+        max_tokens=120, temperature=0, structured=Structured("json_schema", json.dumps(PERSON))
+    )
+    (first,) = engine.generate([Request(prompt, params=params)])
+    (cached,) = engine.generate([Request(prompt, params=params)])
+    assert cached.cached_tokens > 0 and first.cached_tokens < cached.cached_tokens
+    assert cached.token_ids == first.token_ids and cached.finish_reason == "stop"
+    jsonschema.validate(_json(engine, cached), PERSON)
