@@ -21,8 +21,6 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import torch
-
 from inference_service.adapters.host_tier import AdapterLoader, HostTier, ReadyAdapter
 from inference_service.adapters.local_loader import LocalAdapterLoader
 from inference_service.engine.adapter_memory import AdapterMemory
@@ -35,6 +33,7 @@ from inference_service.engine.inbox import Inbox
 from inference_service.engine.metrics import EngineMetrics, EngineStats
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.engine.request import Delta, Request, RequestOutput
+from inference_service.engine.request_errors import left_constraint, overflowed
 from inference_service.engine.sampler import generator_for
 from inference_service.engine.scheduler import ScheduledChunk, Scheduler
 from inference_service.engine.sequence import Sequence, Status
@@ -43,7 +42,7 @@ from inference_service.engine.streams import Streams
 from inference_service.engine.tokenizer import Tokenizer
 from inference_service.torch_threads import in_passing_thread, per_rank
 from shared.base_vocab import BaseVocab
-from shared.errors import FailedPrecondition, InvalidArgument, LoramuxError, NotFound, Unavailable, brief
+from shared.errors import FailedPrecondition, LoramuxError, NotFound, Unavailable, brief
 from shared.model_config import ModelConfig
 from shared.names import check_adapter_id
 
@@ -60,10 +59,8 @@ class Engine:
         tokenizer_json = Path(config.model) / "tokenizer.json"
         has_tokenizer = tokenizer_json.is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
-        self.grammars = None
-        if has_tokenizer:
-            eos, timeout_s = self.tokenizer.eos_token_ids, config.grammar_compile_timeout_s
-            self.grammars = Grammars(tokenizer_json, model.vocab_size, eos, timeout_s)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
+        self.grammars = Grammars(tokenizer_json, model.vocab_size, eos, config.grammar_compile_timeout_s)
         shard = self.runner.parallel.shard
         self.loader = loader or LocalAdapterLoader(
             model, config.max_lora_rank, config.torch_dtype, shard, BaseVocab(config.model, model)
@@ -75,7 +72,6 @@ class Engine:
         self.memory = AdapterMemory.for_model(self.runner.lora_units, rank, config.torch_dtype)
         blocks = BlockManager(self.runner.num_blocks, config.prefix_caching)
         self.scheduler = Scheduler(config, blocks, self.memory, self.host)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
         self.streams = Streams(self.tokenizer, eos)
         self.metrics = EngineMetrics()
         self._inbox = Inbox(self._wakeup)
@@ -152,7 +148,7 @@ class Engine:
             self.scheduler.stats(),
             runner.ranks,
             runner.parallel.seconds,
-            self.grammars.stats() if self.grammars else None,
+            self.grammars.stats(),
         )
         self._snapshot = Snapshot(stats, self.host.held(), self.memory.resident_digests())
 
@@ -167,22 +163,18 @@ class Engine:
         request's constraint is compiled first, while this thread waits (stream() waits without
         holding one)."""
         self._check(request)
-        self._enqueue(request, sink, self._matcher(request))
+        structured = request.params.structured
+        self._enqueue(request, sink, None if structured is None else self.grammars.matcher(structured))
 
     def _check(self, request: Request) -> None:
         request.check(self.max_model_len, self.runner.model_config.vocab_size, self.tokenizer is not None)
         if request.adapter is not None:
             self._require_adapter(request.adapter)
 
-    def _matcher(self, request: Request) -> object | None:
-        """The request's grammar matcher (None: unconstrained); blocks while its constraint compiles."""
-        structured = request.params.structured
-        return None if structured is None else self.grammars.matcher(structured)
-
     def _enqueue(self, request: Request, sink: Callable[[Delta], None], matcher: object | None) -> None:
         # the content it keeps to its end
         digest = self.loader.digest_of(request.adapter) if request.adapter is not None else None
-        seq = _sequence(request, self.runner.device, digest, matcher)
+        seq = Sequence.of(request, generator_for(request.params, self.runner.device), digest, matcher)
         self.streams.open(seq, sink)
         self._inbox.post(lambda: self.scheduler.add(seq))
 
@@ -232,14 +224,12 @@ class Engine:
     # --- the engine thread ----------------------------------------------------------------
 
     def start(self) -> None:
-        if self.grammars is not None:
-            self.grammars.prepare()  # it stalls every thread a moment: before any request, not amid them
+        self.grammars.prepare()  # it stalls every thread a moment: before any request, not amid them
         self._thread.start()
 
     def stop(self) -> None:
         self._thread.stop()
-        if self.grammars is not None:
-            self.grammars.close()
+        self.grammars.close()
         self.host.close()
         self.runner.close()
 
@@ -311,12 +301,12 @@ class Engine:
             # before anyone else gets its blocks: attention multiplies masked positions by 0, and
             # 0 x NaN is NaN
             self.runner.zero_blocks(self.scheduler.drop_computed(seq))
-            self._finish(seq, "error", _overflowed(seq, self.config.dtype))
+            self._finish(seq, "error", overflowed(seq, self.config.dtype))
         tokens = out.result.token_ids
         self.scheduler.postprocess(out.computed, list(zip(out.sampled, tokens, strict=True)))
         for seq, token, logprobs in zip(out.sampled, tokens, out.result.logprobs, strict=True):
             if seq.matcher is not None and seq.matcher.is_error():  # its token is not sent
-                self._finish(seq, "error", _left_constraint(seq))
+                self._finish(seq, "error", left_constraint(seq))
                 continue
             reason = self.streams.emit(seq, token, logprobs)
             if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
@@ -363,34 +353,3 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self.metrics.count_finished(seq)
         self.streams.close(seq, error)
-
-
-def _sequence(request: Request, device: torch.device, digest: str | None, matcher: object | None) -> Sequence:
-    generator = generator_for(request.params, device)  # a seeded request's own, for its whole life
-    prompt = list(request.prompt_token_ids)
-    return Sequence(
-        request.request_id,
-        prompt,
-        request.params,
-        request.adapter,
-        digest,
-        generator=generator,
-        matcher=matcher,
-    )
-
-
-def _left_constraint(seq: Sequence) -> InvalidArgument:
-    """The grammar engine stopped following the output: a token its mask forbade (never, while
-    masks hold) or a step past its limits on a constraint's work."""
-    problem = seq.matcher.get_error().splitlines()[0]
-    return InvalidArgument(
-        f"structured output: the grammar engine could not go on ({problem}); the request was stopped"
-    )
-
-
-def _overflowed(seq: Sequence, dtype: str) -> FailedPrecondition:
-    source = f"adapter {seq.adapter!r}" if seq.adapter else "the base model"
-    return FailedPrecondition(
-        f"{source} produced NaN or Inf logits for this request (values overflow in {dtype}); "
-        "the request was stopped"
-    )

@@ -44,8 +44,9 @@ class Grammars:
     def __init__(
         self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...], timeout_s: float
     ):
-        """tokenizer_json: the model's tokenizer; vocab_size: the logits' width (the model's);
-        timeout_s: the longest a request waits for its constraint to compile."""
+        """tokenizer_json: the model's tokenizer (a model folder without one takes no constraints:
+        Request.check refuses them); vocab_size: the logits' width (the model's); timeout_s: the
+        longest a request waits for its constraint to compile."""
         self._source = (tokenizer_json, vocab_size, list(eos_token_ids))
         self._timeout_s = timeout_s
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
@@ -99,7 +100,8 @@ class Grammars:
         """Builds the grammar engine's view of the tokenizer now: its token trie, about 0.3 s on a
         49k vocabulary during which it holds the GIL, so every thread of the process waits. A
         serving engine builds it before it serves (Engine.start), not at its first constraint."""
-        _ = self._tokenizer
+        if self._source[0].is_file():
+            _ = self._tokenizer
 
     def stats(self) -> GrammarStats:
         with self._lock:

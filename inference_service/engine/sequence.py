@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference_service.engine.request import Request
 from inference_service.sampling import SamplingParams
 
 
@@ -37,6 +38,16 @@ class Sequence:
     hit_blocks: int = 0  # its first blocks that came from the prefix cache at this admission
     # A constrained request's grammar matcher (engine/grammars.py), at the end of its output
     matcher: object | None = None
+
+    @classmethod
+    def of(
+        cls, request: Request, generator: torch.Generator | None, digest: str | None, matcher: object | None
+    ):
+        """A submitted request's sequence: its own generator (seeded requests) and grammar matcher
+        (constrained ones) for its whole life, and the adapter content it keeps."""
+        params, adapter = request.params, request.adapter
+        prompt = list(request.prompt_token_ids)
+        return cls(request.request_id, prompt, params, adapter, digest, generator=generator, matcher=matcher)
 
     @property
     def token_ids(self) -> list[int]:
