@@ -70,6 +70,7 @@ class ModelRunner:
         )
         load_weights(self.model, config.model)
         self.linear_weight_bytes = weight_bytes(self.model) + expert_weight_bytes(self.model)
+        self.model.pack()
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
         self._vocab: dict[int, VocabPages] = {}  # and its vocabulary-side parts, if it has any
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
@@ -102,6 +103,7 @@ class ModelRunner:
         """Bytes this rank holds: its weights, its adapter memory, its KV cache."""
         model = self.model
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        weights += model.packed_bytes()
         pool = model.lora_pool.numel() * model.lora_pool.element_size()
         kv = 2 * self.cache.k.numel() * self.cache.k.element_size()
         return {"weight_bytes": weights - pool, "adapter_memory_bytes": pool, "kv_cache_bytes": kv}

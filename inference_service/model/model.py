@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_service.model.attention import attend
+from inference_service.model.base_weight import DenseWeight, packed, packed_linear, packs
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
@@ -195,6 +196,25 @@ class LlamaModel(nn.Module):
         self.register_buffer(
             "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim).to(device), persistent=False
         )
+        self.packed_head: torch.Tensor | None = None  # lm_head in oneDNN's layout, once pack() ran
+
+    def pack(self) -> None:
+        """Once the weights are loaded: on a CPU, every dense linear weight and lm_head in oneDNN's
+        layout (base_weight.packs). A tied head keeps its embedding dense beside the packed copy
+        (vocab x hidden more bytes); an own head is let go once packed."""
+        for module in self.modules():
+            if isinstance(module, DenseWeight):
+                module.pack()
+        if packs(self.lm_head):
+            self.packed_head = packed(self.lm_head)
+            if not self.cfg.tie_word_embeddings:
+                self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
+
+    def packed_bytes(self) -> int:
+        """Bytes of the weights pack() put in oneDNN's layout (outside parameters and buffers)."""
+        tensors = [m.packed for m in self.modules() if isinstance(m, DenseWeight) and m.packed is not None]
+        tensors += [self.packed_head] if self.packed_head is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Returns logits [logit_rows, vocab] in fp32."""
@@ -203,7 +223,10 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, cache, cos, sin)
         x = self.norm(x[batch.logit_rows])  # [rows, hidden]
-        logits = F.linear(x, self.lm_head)  # [rows, vocab rows]
+        if self.packed_head is not None:
+            logits = packed_linear(x, self.packed_head, None)  # [rows, vocab rows]
+        else:
+            logits = F.linear(x, self.lm_head)  # [rows, vocab rows]
         if batch.vocab is not None:
             add_head_terms(logits, x, batch.vocab, self.vocab_parts)
         logits = self.parallel.all_gather(logits)  # [rows, ranks * vocab rows]
