@@ -199,9 +199,10 @@ class LlamaModel(nn.Module):
         self.packed_head: torch.Tensor | None = None  # lm_head in oneDNN's layout, once pack() ran
 
     def pack(self) -> None:
-        """Once the weights are loaded: on a CPU, every dense linear weight and lm_head in oneDNN's
-        layout (base_weight.packs). A tied head keeps its embedding dense beside the packed copy
-        (vocab x hidden more bytes); an own head is let go once packed."""
+        """Once the weights are loaded: on a CPU, lm_head in oneDNN's layout (base_weight.packs),
+        and in bf16 every dense linear weight too (DenseWeight.pack). A tied head keeps its
+        embedding dense beside the packed copy (vocab x hidden more bytes); an own head is let go
+        once packed."""
         for module in self.modules():
             if isinstance(module, DenseWeight):
                 module.pack()
