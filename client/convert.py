@@ -85,7 +85,20 @@ def generate_request(
     sampling: dict,
 ) -> inference_pb.GenerateRequest:
     """A GenerateRequest; ValueError unless exactly one input is given (tools only with messages),
-    TypeError for an unknown sampling argument."""
+    TypeError for an unknown sampling argument.
+
+    A message is {"role", "content"} or (role, content), or OpenAI's assistant message with
+    "tool_calls" or tool message with "tool_call_id" (and "name"); `tools` (with messages only)
+    are OpenAI's {"type": "function", "function": {"name", "description", "parameters"}} or the
+    bare function, shown to the model by its chat template.
+
+    `sampling` takes SamplingParams' fields: max_tokens, temperature, top_k, top_p, min_p,
+    repetition_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs, max_tokens_to_limit;
+    and at most one output constraint (ValueError naming them when more are given): json_schema
+    (a dict or its JSON text), json_object=True (any JSON object), regex (the whole output
+    matches it), choice (a list of strings: the output is one of them) or grammar (Lark, or
+    GBNF). A constraint the worker cannot compile is InvalidArgument. None leaves an argument
+    unset."""
     given = [name for name, value in _inputs(prompt, token_ids, messages) if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, token_ids or messages (got {given or 'none'})")

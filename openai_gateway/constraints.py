@@ -45,11 +45,10 @@ def of_tool_choice(body: ChatCompletionRequest) -> dict:
 
 
 def of_response_format(response_format: ResponseFormat) -> dict:
+    """A json_object or json_schema format (type text constrains nothing: constraint())."""
     if response_format.type == "json_object":
         return {"json_object": True}
-    if response_format.type == "json_schema":
-        return {"json_schema": response_format.json_schema.schema_}
-    return {}
+    return {"json_schema": response_format.json_schema.schema_}
 
 
 def of_structured_outputs(structured: StructuredOutputs) -> dict:

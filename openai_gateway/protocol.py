@@ -41,16 +41,21 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class Closed(BaseModel):
+    """A body part that refuses keys it does not know, as OpenAI does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class JsonSchemaFormat(Closed):
+    model_config = ConfigDict(populate_by_name=True)
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     schema_: dict = Field(default_factory=dict, alias="schema")  # {}: any JSON value
     strict: bool | None = None  # the output always follows the whole schema, strict or not
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponseFormat(Closed):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -65,10 +70,9 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Closed):
     """vLLM's extension: one constraint on the output."""
 
-    model_config = ConfigDict(extra="forbid")
     json_: dict | str | None = Field(None, alias="json")  # a JSON schema, or its JSON text
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
@@ -88,13 +92,16 @@ class StructuredOutputs(BaseModel):
         return self
 
     def fields_given(self) -> dict:
-        return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar} | {
-            "json_object": self.json_object
+        return {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object,
         }
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(Closed):
     include_usage: bool | None = None
 
 
@@ -177,27 +184,23 @@ class Sampling(BaseModel):
         }
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(Closed):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionCall(Closed):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolCall(Closed):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(Closed):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -230,27 +233,23 @@ class ChatMessage(BaseModel):
         return message
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDef(Closed):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None  # calls always follow the whole schema, strict or not
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Tool(Closed):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionName(Closed):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(Closed):
     type: Literal["function"]
     function: FunctionName
 
@@ -326,14 +325,12 @@ class CompletionRequest(Sampling):
         return [{"prompt": p} if isinstance(p, str) else {"token_ids": p} for p in prompt]
 
 
-class LoadLoraRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LoadLoraRequest(Closed):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class UnloadLoraRequest(Closed):
     lora_name: str
     lora_int_id: int | None = None  # vLLM's clients send it; names identify adapters here
 

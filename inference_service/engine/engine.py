@@ -146,9 +146,9 @@ class Engine:
             self.host.stats(),
             self.memory.stats(),
             self.scheduler.stats(),
+            self.grammars.stats(),
             runner.ranks,
             runner.parallel.seconds,
-            self.grammars.stats(),
         )
         self._snapshot = Snapshot(stats, self.host.held(), self.memory.resident_digests())
 

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as CompileTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
@@ -34,10 +34,10 @@ COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
 @dataclass(frozen=True)
 class GrammarStats:
-    requests: int = 0  # constrained requests submitted
-    compiles: int = 0  # constraints compiled (each one once while it stays cached)
-    hits: int = 0  # requests whose constraint was compiled already, or compiling
-    compile_seconds: Histogram = field(default_factory=lambda: Histogram(COMPILE_SECONDS_BUCKETS))
+    requests: int  # constrained requests submitted
+    compiles: int  # constraints compiled (each one once while it stays cached)
+    hits: int  # requests whose constraint was compiled already, or compiling
+    compile_seconds: Histogram
 
 
 class Grammars:
@@ -170,8 +170,8 @@ def _grammar(structured: Structured) -> str:
 
 
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
-    """logits [rows, vocab] with every token row i's matcher forbids at -inf (a copy when any
-    row is constrained; matchers[i] None: row i is left as it is). The matchers write their
+    """logits [rows, vocab], the step's own, with every token row i's matcher forbids set to -inf
+    in place (matchers[i] None: row i is left as it is), and returned. The matchers write their
     bitmasks (bit k of word w: token 32 w + k may come) straight into a tensor; llguidance's own
     torch helpers are not used, as they torch.compile at import and at their first call."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
@@ -185,6 +185,5 @@ def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     bitmask = bitmask.to(logits.device)  # unpacked there: a 32nd of the bytes of the bool mask
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [c, vocab]
-    masked = logits.clone()
-    masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return masked
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits

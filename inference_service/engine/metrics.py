@@ -47,9 +47,9 @@ class EngineMetrics:
         host_tier: HostTierStats,
         slots: SlotStats,
         scheduler: SchedulerStats,
+        grammars: GrammarStats,
         ranks: tuple[RankReport, ...] = (),
         collective_seconds: float = 0.0,
-        grammars: GrammarStats | None = None,
     ) -> EngineStats:
         return EngineStats(
             dict(self.requests),
@@ -61,5 +61,5 @@ class EngineMetrics:
             scheduler,
             ranks,
             collective_seconds,
-            grammars or GrammarStats(),
+            grammars,
         )

@@ -76,7 +76,7 @@ def _chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, max_model_len: int) -
         )
     if len(chat.tools) > MAX_TOOLS:
         raise InvalidArgument(f"chat input has {len(chat.tools)} tools; at most {MAX_TOOLS}")
-    texts = [*(text for m in messages for text in _message_texts(m))]
+    texts = [text for m in messages for text in _message_texts(m)]
     texts += [text for t in chat.tools for text in (t.name, t.description, t.parameters)]
     size = sum(_utf8_bytes(text) for text in texts)
     _check_prompt_bytes("chat input (messages and tools)", size, tokenizer, max_model_len)
