@@ -204,7 +204,7 @@ class HermesCalls(ToolCallParser):
 def _hermes_call(inner: str) -> tuple[str, str] | None:
     try:
         call = json.loads(inner)
-    except ValueError:
+    except (ValueError, RecursionError):  # what a model writes may nest past Python's limit
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None

@@ -121,7 +121,7 @@ def _tool(t: pb.Tool, where: str) -> dict:
 def _json_object(text: str, where: str) -> dict:
     try:
         value = json.loads(text)
-    except ValueError as e:  # RecursionError too: text bounded above, nesting not
+    except (ValueError, RecursionError) as e:  # the text is bounded above, its nesting is not
         raise InvalidArgument(f"{where} is not JSON ({e})") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{where} is not a JSON object")

@@ -24,6 +24,7 @@ HERMES = {
     "unclosed": f"<tool_call>{WEATHER}",
     "unclosed bad": "so <tool_call>{half",
     "partial tag at end": "ends with <tool_",
+    "nested past the recursion limit": "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",
 }
 
 
@@ -64,6 +65,7 @@ def test_hermes_blocks_become_calls_and_the_text_before_them_content():
         ("unclosed", "", [("get_weather", {"city": "Paris", "unit": "c"})]),
         ("unclosed bad", HERMES["unclosed bad"], []),
         ("partial tag at end", HERMES["partial tag at end"], []),
+        ("nested past the recursion limit", HERMES["nested past the recursion limit"], []),
     ],
 )
 def test_what_is_not_a_whole_call_stays_text(case, content, calls):

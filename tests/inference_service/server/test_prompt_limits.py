@@ -170,3 +170,32 @@ def test_two_callers_with_one_request_id_are_both_served(engine):
 
 async def _collect(call) -> list[pb.GenerateResponse]:
     return [response async for response in call]
+
+
+@pytest.mark.parametrize(
+    ("chat", "named"),
+    [
+        (  # nested past Python's recursion limit: json.loads raises RecursionError, not ValueError
+            pb.ChatInput(
+                messages=[
+                    pb.ChatMessage(
+                        role="assistant",
+                        tool_calls=[pb.ToolCall(id="c", name="f", arguments="[" * 5000 + "]" * 5000)],
+                    )
+                ]
+            ),
+            "chat.messages[0].tool_calls[0].arguments is not JSON",
+        ),
+        (
+            pb.ChatInput(
+                messages=[pb.ChatMessage(role="user", content="hi")],
+                tools=[pb.Tool(name="f", parameters="[1]")],
+            ),
+            "chat.tools[0].parameters is not a JSON object",
+        ),
+    ],
+    ids=["nested-arguments", "parameters-not-an-object"],
+)
+def test_tool_json_that_is_no_object_is_refused_naming_it(tokenizer, chat, named):
+    with pytest.raises(InvalidArgument, match="^" + re.escape(named)):
+        convert.request(_request(chat=chat), tokenizer, 1 << 16, "w1")
