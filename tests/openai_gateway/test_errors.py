@@ -91,6 +91,11 @@ def test_an_unknown_model_is_404_in_openais_words(client):
             "names 'g', which `tools` lacks",
         ),
         ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}] * 2, "tool_choice": "required"},
+            "tools",
+            "names a function twice",
+        ),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "goes with, and only with"),
         ({"top_logprobs": 2}, "top_logprobs", "needs `logprobs`"),
