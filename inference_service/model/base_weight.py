@@ -11,59 +11,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_service.model.packed_weight import PackedWeight, packs
 from kernels.int8_linear import int8_linear, int8_linear_triton, quantize_int8_rows
 from kernels.nf4_linear import BLOCK, nf4_linear, nf4_linear_triton, quantize_nf4
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.model_config import ModelConfig
 
 QUANTIZATIONS = ("none", "int8", "nf4")
-# The rows oneDNN lays a packed weight out for (a decode batch); other row counts run on it too.
-PACK_ROWS = 32
-
-
-def packs(weight: torch.Tensor) -> bool:
-    """Whether a matmul with this weight runs on oneDNN with the weight packed in its blocked
-    layout: on a CPU, in fp32, or in bf16 where the CPU has bf16 instructions. At decode batch
-    sizes that is 2 to 3 times torch's own fp32 matmul (MKL's sgemm) on one core."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype == torch.float32 or (
-        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] in oneDNN's layout, for packed_linear."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, W, bias) with W packed (packed())."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [tokens, out]
 
 
 class DenseWeight(nn.Module):
     def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
-        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout, once pack() ran
+        self.packed: PackedWeight | None = None  # the weight in oneDNN's layout, once pack() ran
 
     def load_rows(self, offset: int, rows: torch.Tensor) -> None:
         self.weight[offset : offset + rows.shape[0]].copy_(rows)
 
     def pack(self) -> None:
-        """Once loaded, in bf16 where packs(): the weight in oneDNN's layout, the dense copy let
-        go. An fp32 layer stays on torch's matmul: oneDNN's fp32 sums over a layer's inputs err
-        about twice as far as MKL's (1,536 inputs on SmolLM2's down_proj), and through 30 layers
-        the default model's logits then stray further from the float64 reference than fp32 allows
-        (tests/fp32_agreement.py; the logit head alone stays within it)."""
-        if self.weight.dtype == torch.bfloat16 and packs(self.weight):
-            self.packed = packed(self.weight)
+        """Once loaded, on a CPU where packs(): the weight in oneDNN's layout, the dense copy let go."""
+        if packs(self.weight):
+            self.packed = PackedWeight.of(self.weight)
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, bias)  # [tokens, out]
+            return self.packed.linear(x, bias)  # [tokens, out]
         return F.linear(x, self.weight, bias)  # [tokens, out]
 
 

@@ -6,11 +6,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_service.model.attention import attend
-from inference_service.model.base_weight import DenseWeight, packed, packed_linear, packs
+from inference_service.model.base_weight import DenseWeight
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.moe import SparseMoe
+from inference_service.model.packed_weight import PackedWeight, packs
 from inference_service.model.placement import Placement
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from inference_service.model.shard import Shard
@@ -196,26 +197,24 @@ class LlamaModel(nn.Module):
         self.register_buffer(
             "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim).to(device), persistent=False
         )
-        self.packed_head: torch.Tensor | None = None  # lm_head in oneDNN's layout, once pack() ran
+        self.packed_head: PackedWeight | None = None  # lm_head in oneDNN's layout, once pack() ran
 
     def pack(self) -> None:
-        """Once the weights are loaded: on a CPU, lm_head in oneDNN's layout (base_weight.packs),
-        and in bf16 every dense linear weight too (DenseWeight.pack). A tied head keeps its
-        embedding dense beside the packed copy (vocab x hidden more bytes); an own head is let go
-        once packed."""
+        """Once the weights are loaded, on a CPU: every dense linear weight and lm_head in oneDNN's
+        layout (packed_weight.packs). A tied head keeps its embedding dense beside the packed copy
+        (vocab x hidden more bytes); an own head is let go once packed."""
         for module in self.modules():
             if isinstance(module, DenseWeight):
                 module.pack()
         if packs(self.lm_head):
-            self.packed_head = packed(self.lm_head)
+            self.packed_head = PackedWeight.of(self.lm_head)
             if not self.cfg.tie_word_embeddings:
                 self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
 
     def packed_bytes(self) -> int:
         """Bytes of the weights pack() put in oneDNN's layout (outside parameters and buffers)."""
-        tensors = [m.packed for m in self.modules() if isinstance(m, DenseWeight) and m.packed is not None]
-        tensors += [self.packed_head] if self.packed_head is not None else []
-        return sum(t.numel() * t.element_size() for t in tensors)
+        weights = [m.packed for m in self.modules() if isinstance(m, DenseWeight)] + [self.packed_head]
+        return sum(w.nbytes() for w in weights if w is not None)
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Returns logits [logit_rows, vocab] in fp32."""
@@ -225,7 +224,7 @@ class LlamaModel(nn.Module):
             x = layer(x, batch, cache, cos, sin)
         x = self.norm(x[batch.logit_rows])  # [rows, hidden]
         if self.packed_head is not None:
-            logits = packed_linear(x, self.packed_head, None)  # [rows, vocab rows]
+            logits = self.packed_head.linear(x, None)  # [rows, vocab rows]
         else:
             logits = F.linear(x, self.lm_head)  # [rows, vocab rows]
         if batch.vocab is not None:
