@@ -78,16 +78,21 @@ def full_batch_steps(runs: list[tuple[Engine, list[Request]]]) -> list[list[floa
 
 
 def engines_with_adapters(
-    model_dir: Path, counts: Sequence[int], kv_tokens: int, progress: Callable[[str], None]
+    model_dir: Path,
+    counts: Sequence[int],
+    kv_tokens: int,
+    progress: Callable[[str], None],
+    dtype: str = "float32",
 ) -> dict[int, Engine]:
-    """For each count N an engine holding random rank-16 adapters r16-0 .. r16-(N-1) in its host
-    tier, with a device slot for each."""
+    """For each count N an engine in `dtype` holding random rank-16 adapters r16-0 .. r16-(N-1) in
+    its host tier, with a device slot for each."""
     engines = {}
     with tempfile.TemporaryDirectory() as tmp:
         progress(f"{len(counts)} engines, {max(counts)} random rank-{RANK} adapters")
         for n in counts:
             config = EngineConfig(
                 model=str(model_dir),
+                dtype=dtype,
                 max_loras=n,
                 max_lora_rank=RANK,
                 max_cpu_loras=n,

@@ -2,7 +2,7 @@
 model, without adapters and with N distinct rank-16 all-linear adapters, printing the ops by self
 CPU time. This is the profile behind the LoRA overhead figure.
 
-    .venv/bin/python -m bench.profile_decode [--adapters 8] [--steps 8] [--rows 15]
+    .venv/bin/python -m bench.profile_decode [--adapters 8] [--steps 8] [--rows 15] [--dtype bfloat16]
 """
 
 import argparse
@@ -14,6 +14,7 @@ from bench.cache import default_model_dir
 from bench.engine_overhead import REQUESTS, engines_with_adapters, prompt_ids
 from inference_service.engine import Engine, Request
 from inference_service.sampling import SamplingParams
+from shared.dtypes import DTYPES
 
 PROMPT = 32
 
@@ -48,10 +49,12 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args()
     model_dir = default_model_dir()
     counts = (0, args.adapters)
-    engines = engines_with_adapters(model_dir, counts, REQUESTS * (PROMPT + args.steps + 16), print)
+    kv_tokens = REQUESTS * (PROMPT + args.steps + 16)
+    engines = engines_with_adapters(model_dir, counts, kv_tokens, print, args.dtype)
     with torch.inference_mode():
         for n in counts:
             adapters = [f"r16-{i % n}" if n else None for i in range(REQUESTS)]
