@@ -30,14 +30,14 @@ ratio of the two arms' medians (they run on different engines, one after the oth
 vLLM runs as its CPU docs ask: OpenMP threads bound to this process's CPUs
 (VLLM_CPU_OMP_THREADS_BIND), tcmalloc and Intel OpenMP preloaded where found, a KV cache sized to
 the cell (VLLM_CPU_KVCACHE_SPACE), HF_HUB_OFFLINE=1 on the local model folder. loramux runs torch
-over the same CPUs.
+over the same CPUs, on tcmalloc as its workers do where it is installed (this process starts again
+with it preloaded: shared/tcmalloc.py).
 
     LORAMUX_CACHE=.cache .venv/bin/python -m bench.peers [--quick] [--dtypes float32 bfloat16]
         [--prompts 32 512] [--batches 1 8 32 128] [--repeats 3] [--peer-python PATH]
 """
 
 import argparse
-import ctypes.util
 import json
 import math
 import os
@@ -62,6 +62,7 @@ from bench.report import section, write_atomic
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from inference_service.torch_threads import parallel
+from shared import tcmalloc
 from shared.dtypes import DTYPES
 from shared.model_config import ModelConfig
 
@@ -145,9 +146,8 @@ def kv_gib(model: ModelConfig, dtype: str, positions: int) -> int:
 def preloads(peer_python: Path) -> list[str]:
     """What vLLM's CPU docs preload for its speed: tcmalloc (Debian's libtcmalloc-minimal4) and
     the Intel OpenMP runtime that vllm-cpu installs into its venv; those not found are left out."""
-    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")  # a soname, which ld.so finds
     iomp = peer_python.parent.parent / "lib" / "libiomp5.so"
-    return [lib for lib in (tcmalloc, str(iomp) if iomp.is_file() else None) if lib]
+    return [lib for lib in (tcmalloc.library(), str(iomp) if iomp.is_file() else None) if lib]
 
 
 def peer_env(base: Mapping[str, str], cpus: Sequence[int], kv: int, preload: list[str]) -> dict[str, str]:
@@ -489,7 +489,8 @@ def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: 
         f"Default model; `batch` requests at once, prompts of {'/'.join(map(str, grid.prompts))} "
         f"token ids, {grid.tokens} new tokens, greedy, EOS ignored; the base model, or {ADAPTERS} "
         f"distinct random rank-{RANK} all-linear adapters round-robin. loramux: Engine.generate in "
-        f"process; vLLM {peer['vllm']} (CPU build, torch {peer['torch']}, preloaded: {libraries}): "
+        f"process (on tcmalloc: {'yes' if tcmalloc.loaded() else 'no'}); vLLM {peer['vllm']} (CPU "
+        f"build, torch {peer['torch']}, preloaded: {libraries}): "
         f"LLM.generate in a subprocess. Both: max_num_seqs = batch, {STEP_TOKENS} tokens a step, "
         f"prefix caching off; base on an engine without LoRA, adapters on one with {ADAPTERS} slots "
         f"of rank {RANK}. Decode tok/s = batch x {grid.tokens - 1} / (seconds of the {grid.tokens}-token "
@@ -550,6 +551,9 @@ def compare(model_dir: Path, peer_python: Path, grid: Grid, progress: Progress) 
 
 
 def main() -> None:
+    if tcmalloc.library() and not tcmalloc.loaded():  # loramux's side on the allocator its workers use
+        argv = [sys.executable, "-m", "bench.peers", *sys.argv[1:]]
+        os.execve(sys.executable, argv, tcmalloc.preloading(os.environ))
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loramux
 from inference_service.default_model import prepare_default_model
+from shared import tcmalloc
 
 DEMO_ADAPTERS = Path(__file__).resolve().parent / "demo_adapters"
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?"]
@@ -93,8 +94,10 @@ def main() -> None:
 def _spawn(module: str, *args: str, stdout: int = subprocess.DEVNULL) -> subprocess.Popen:
     """The services log to stderr; their stdout (one "listening on" line) is not needed here but
     for the gateway's. Each runs in its own process group, so a terminal's Ctrl-C reaches only this
-    process, and _stop stops them in order."""
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=stdout, text=True, process_group=0)
+    process, and _stop stops them in order. They allocate with tcmalloc where it is installed."""
+    command = [sys.executable, "-m", module, *args]
+    env = tcmalloc.preloading(os.environ)
+    return subprocess.Popen(command, stdout=stdout, text=True, process_group=0, env=env)
 
 
 def _spawn_gateway(port: int, worker: str, store: str) -> subprocess.Popen:

@@ -19,6 +19,7 @@ from inference_service.engine.config import EngineConfig
 from inference_service.model.base_weight import QUANTIZATIONS
 from inference_service.server.server import serve
 from inference_service.server.worker_config import DEFAULT_MAX_MESSAGE_BYTES, WorkerConfig
+from shared import tcmalloc
 from shared.dtypes import DTYPES
 from shared.errors import LoramuxError
 from shared.tls import ChannelTls, ServerTls
@@ -207,6 +208,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(sys.argv[1:])
+        if config.engine.device == "cpu" and not tcmalloc.loaded():
+            logging.getLogger(__name__).warning("CPU worker on glibc's malloc: %s", tcmalloc.ADVICE)
         uvloop.run(serve(config))
     except LoramuxError as e:  # flags, or a model and cache sizes that cannot serve
         sys.exit(f"inference worker: {e}")
