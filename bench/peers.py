@@ -54,7 +54,8 @@ import torch
 
 from bench.cache import default_model_dir
 from bench.engine_overhead import prompt_ids
-from bench.hf_peft import Job, Run, agreement, hf_model, hf_run, peft_model
+from bench.hf_peft import Job, Run, hf_model, hf_run, peft_model
+from bench.near_ties import GreedyPath, greedy_paths
 from bench.provenance import cpuinfo
 from bench.random_adapter import write_random_adapter
 from bench.record import measure, write_record
@@ -407,26 +408,38 @@ def headline_of(cells: list[dict], grid: Grid) -> str:
 
 
 def check_tokens(model_dir: Path, folders: list[Path], cells: list[dict], grid: Grid, progress: Progress):
-    """Greedy tokens of the first CHECKED requests of the fp32 cells at the first prompt length
-    and the largest batch, base and adapters, from transformers (+ PEFT) against each side's:
-    {arm: {side: requests that agree}}; empty without fp32 in the grid."""
+    """Greedy tokens of the first CHECKED requests of the cells at the first prompt length and the
+    largest batch, base and adapters, against transformers (+ PEFT)'s: fp32 cells against its fp32
+    run, bf16 cells against its bf16 run up to each request's first near tie (near_ties.py).
+    {dtype: {arm: {side: requests that agree}, "ties": {arm: requests cut at a near tie}}}."""
     batch, prompt = max(grid.batches), grid.prompts[0]
-    picked = {
-        c["adapters"]: c for c in cells if (c["dtype"], c["prompt"], c["batch"]) == ("float32", prompt, batch)
-    }
-    if not picked:
-        return {}
-    progress(f"transformers + PEFT, fp32: the first {CHECKED} requests of batch {batch}, prompt {prompt}")
-    model = hf_model(model_dir)
-    agree = {}
-    for adapters in sorted(picked):  # the base arm first: PEFT then wraps the same model
-        prompts, arm = requests(min(CHECKED, batch), prompt, folders if adapters else [])
-        jobs = [Job(a.name if a else None, p, grid.tokens) for p, a in zip(prompts, arm, strict=True)]
-        with torch.inference_mode():
-            reference = hf_run(peft_model(model, folders) if adapters else model, jobs).outputs
-        cell = picked[adapters]
-        agree[str(adapters)] = {s: agreement(reference, cell[s]["outputs"][: len(jobs)]) for s in SIDES}
-    return agree | {"checked": min(CHECKED, batch), "batch": batch, "prompt": prompt}
+    agree: dict = {"checked": min(CHECKED, batch), "batch": batch, "prompt": prompt}
+    for dtype in grid.dtypes:
+        cell = (dtype, prompt, batch)
+        picked = {c["adapters"]: c for c in cells if (c["dtype"], c["prompt"], c["batch"]) == cell}
+        progress(f"transformers + PEFT, {SHORT[dtype]}: the first {CHECKED} requests of batch {batch}")
+        agree[dtype] = {"ties": {}}
+        models = {d: hf_model(model_dir, DTYPES[d]) for d in {dtype, "float32"}}
+        for adapters in sorted(picked):  # the base arm first: PEFT then wraps the same models
+            prompts, arm = requests(min(CHECKED, batch), prompt, folders if adapters else [])
+            jobs = [Job(a.name if a else None, p, grid.tokens) for p, a in zip(prompts, arm, strict=True)]
+            if adapters:
+                models = {d: peft_model(m, folders) for d, m in models.items()}
+            with torch.inference_mode():
+                paths = reference_paths(models, dtype, jobs)
+            outputs = {s: picked[adapters][s]["outputs"][: len(jobs)] for s in SIDES}
+            agree[dtype][str(adapters)] = {
+                s: sum(p.agrees(o) for p, o in zip(paths, outputs[s], strict=True)) for s in SIDES
+            }
+            agree[dtype]["ties"][str(adapters)] = sum(p.tie is not None for p in paths)
+    return agree
+
+
+def reference_paths(models: dict[str, torch.nn.Module], dtype: str, jobs: list[Job]) -> list[GreedyPath]:
+    """transformers (+ PEFT)'s greedy tokens in `dtype`: fp32's whole, bf16's with its near ties."""
+    if dtype == "float32":
+        return [GreedyPath(tokens, None) for tokens in hf_run(models["float32"], jobs).outputs]
+    return greedy_paths(models[dtype], models["float32"], jobs)
 
 
 def row(base: dict, mixed: dict, tokens: int) -> dict:
@@ -514,15 +527,23 @@ def contention(cells: list[dict]) -> str:
 
 
 def checked(agree: dict) -> str:
-    if not agree:
-        return "No fp32 cell in the grid: tokens not checked against transformers + PEFT."
-    n, base, mixed = agree["checked"], agree["0"], agree[str(ADAPTERS)]
-    return (
-        f"Greedy tokens of the first {n} requests (fp32, prompt {agree['prompt']}, batch "
-        f"{agree['batch']}) identical to transformers + PEFT's: loramux {base['loramux']} / {n} base, "
-        f"{mixed['loramux']} / {n} with adapters; vLLM {base['vllm']} / {n} base, {mixed['vllm']} / {n} "
-        f"with adapters."
-    )
+    n, batch, prompt = agree["checked"], agree["batch"], agree["prompt"]
+    lines = []
+    for dtype in (d for d in SHORT if d in agree):
+        base, mixed, ties = agree[dtype]["0"], agree[dtype][str(ADAPTERS)], agree[dtype]["ties"]
+        cut = (
+            f" up to each request's first near tie, where bf16's rounding could pick either token "
+            f"(requests cut at one: {ties['0']} base, {ties[str(ADAPTERS)]} with adapters)"
+            if dtype != "float32"
+            else ""
+        )
+        lines.append(
+            f"Greedy tokens of the first {n} requests ({SHORT[dtype]}, prompt {prompt}, batch {batch}) "
+            f"identical to transformers + PEFT's {SHORT[dtype]} run{cut}: loramux {base['loramux']} / {n} "
+            f"base, {mixed['loramux']} / {n} with adapters; vLLM {base['vllm']} / {n} base, "
+            f"{mixed['vllm']} / {n} with adapters."
+        )
+    return " ".join(lines)
 
 
 def write_peers(results_dir: Path, record: dict) -> Path:
