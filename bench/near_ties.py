@@ -22,10 +22,14 @@ class GreedyPath:
     tokens: list[int]
     tie: int | None  # None: no step is
 
+    @property
+    def compared(self) -> int:
+        """Tokens before the first near tie: those another implementation must match."""
+        return len(self.tokens) if self.tie is None else self.tie
+
     def agrees(self, ours: list[int]) -> bool:
         """Whether `ours` follows this path up to its first near tie."""
-        end = len(self.tokens) if self.tie is None else self.tie
-        return ours[:end] == self.tokens[:end]
+        return ours[: self.compared] == self.tokens[: self.compared]
 
 
 def greedy_paths(low: torch.nn.Module, high: torch.nn.Module, jobs: list[Job]) -> list[GreedyPath]:

@@ -411,14 +411,15 @@ def check_tokens(model_dir: Path, folders: list[Path], cells: list[dict], grid: 
     """Greedy tokens of the first CHECKED requests of the cells at the first prompt length and the
     largest batch, base and adapters, against transformers (+ PEFT)'s: fp32 cells against its fp32
     run, bf16 cells against its bf16 run up to each request's first near tie (near_ties.py).
-    {dtype: {arm: {side: requests that agree}, "ties": {arm: requests cut at a near tie}}}."""
+    {dtype: {arm: {side: requests that agree}, "ties": {arm: requests cut at a near tie},
+    "compared": {arm: tokens compared}}}."""
     batch, prompt = max(grid.batches), grid.prompts[0]
-    agree: dict = {"checked": min(CHECKED, batch), "batch": batch, "prompt": prompt}
+    agree: dict = {"checked": min(CHECKED, batch), "batch": batch, "prompt": prompt, "tokens": grid.tokens}
     for dtype in grid.dtypes:
         cell = (dtype, prompt, batch)
         picked = {c["adapters"]: c for c in cells if (c["dtype"], c["prompt"], c["batch"]) == cell}
         progress(f"transformers + PEFT, {SHORT[dtype]}: the first {CHECKED} requests of batch {batch}")
-        agree[dtype] = {"ties": {}}
+        agree[dtype] = {"ties": {}, "compared": {}}
         models = {d: hf_model(model_dir, DTYPES[d]) for d in {dtype, "float32"}}
         for adapters in sorted(picked):  # the base arm first: PEFT then wraps the same models
             prompts, arm = requests(min(CHECKED, batch), prompt, folders if adapters else [])
@@ -432,6 +433,7 @@ def check_tokens(model_dir: Path, folders: list[Path], cells: list[dict], grid: 
                 s: sum(p.agrees(o) for p, o in zip(paths, outputs[s], strict=True)) for s in SIDES
             }
             agree[dtype]["ties"][str(adapters)] = sum(p.tie is not None for p in paths)
+            agree[dtype]["compared"][str(adapters)] = sum(p.compared for p in paths)
     return agree
 
 
@@ -531,9 +533,11 @@ def checked(agree: dict) -> str:
     lines = []
     for dtype in (d for d in SHORT if d in agree):
         base, mixed, ties = agree[dtype]["0"], agree[dtype][str(ADAPTERS)], agree[dtype]["ties"]
+        compared, whole = agree[dtype]["compared"], n * agree["tokens"]
         cut = (
             f" up to each request's first near tie, where bf16's rounding could pick either token "
-            f"(requests cut at one: {ties['0']} base, {ties[str(ADAPTERS)]} with adapters)"
+            f"(requests cut at one: {ties['0']} base, {ties[str(ADAPTERS)]} with adapters; tokens "
+            f"compared: {compared['0']} / {whole} base, {compared[str(ADAPTERS)]} / {whole} with adapters)"
             if dtype != "float32"
             else ""
         )

@@ -27,7 +27,7 @@ def test_the_first_step_whose_margin_bf16_moved_as_far_is_a_near_tie():
     low = Scripted([[0, 2, 0], [1.25, 1.0, 0], [0, 0, 3]], prompt=2)
     high = Scripted([[0, 1.9, 0], [1.0, 1.125, 0], [0, 0, 3]], prompt=2)
     (path,) = greedy_paths(low, high, [Job(None, [7, 7], 3)])
-    assert path == GreedyPath([1, 0, 2], tie=1)
+    assert path == GreedyPath([1, 0, 2], tie=1) and path.compared == 1
     assert path.agrees([1, 1, 1]) and not path.agrees([0, 0, 2])
 
 
@@ -35,4 +35,4 @@ def test_equal_logits_are_a_near_tie_and_a_path_without_one_is_compared_whole():
     (path,) = greedy_paths(Scripted([[1, 1]], 1), Scripted([[1, 1]], 1), [Job("a", [5], 1)])
     assert path == GreedyPath([0], tie=0)
     clear = GreedyPath([3, 4], tie=None)
-    assert clear.agrees([3, 4]) and not clear.agrees([3, 5])
+    assert clear.compared == 2 and clear.agrees([3, 4]) and not clear.agrees([3, 5])

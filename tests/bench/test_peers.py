@@ -70,9 +70,14 @@ def test_the_table_has_decode_rates_their_ratios_per_round_and_adapters_over_bas
     # 32 x 31 = 992 decode tokens: 1 s of decode is 992 tok/s
     base = cell(0, [(2.0, 1.0), (3.0, 1.0), (2.0, 1.0)], [(2.0, 1.0), (2.0, 1.0), (1.5, 1.0)])
     mixed = cell(ADAPTERS, [(5.0, 1.0)] * 3, [(9.0, 1.0)] * 3)
-    fp32 = {"0": {"loramux": 4, "vllm": 4}, "8": {"loramux": 4, "vllm": 3}, "ties": {}}
-    bf16 = {"0": {"loramux": 4, "vllm": 4}, "8": {"loramux": 3, "vllm": 4}, "ties": {"0": 1, "8": 2}}
-    agree = {"float32": fp32, "bfloat16": bf16, "checked": 4}
+    fp32 = {"0": {"loramux": 4, "vllm": 4}, "8": {"loramux": 4, "vllm": 3}, "ties": {}, "compared": {}}
+    bf16 = {
+        "0": {"loramux": 4, "vllm": 4},
+        "8": {"loramux": 3, "vllm": 4},
+        "ties": {"0": 1, "8": 2},
+        "compared": {"0": 100, "8": 70},
+    }
+    agree = {"float32": fp32, "bfloat16": bf16, "checked": 4, "tokens": 32}
     grid = Grid(("float32",), (32,), (32,))
     result = summary([base, mixed], agree | {"batch": 32, "prompt": 32}, grid, [], (0.5, 1.25))
     (line,) = result["table"]
@@ -85,7 +90,8 @@ def test_the_table_has_decode_rates_their_ratios_per_round_and_adapters_over_bas
     fp32_text, bf16_text = result["setup"].split("Greedy tokens")[1:3]
     assert "loramux 4 / 4 base" in fp32_text and "vLLM 4 / 4 base, 3 / 4 with adapters" in fp32_text
     assert "first near tie" not in fp32_text
-    assert "(requests cut at one: 1 base, 2 with adapters)" in bf16_text
+    assert "(requests cut at one: 1 base, 2 with adapters;" in bf16_text
+    assert "tokens compared: 100 / 128 base, 70 / 128 with adapters)" in bf16_text
     assert "loramux 4 / 4 base, 3 / 4 with adapters" in bf16_text
     assert result["rounds"][0]["loramux"]["full_s"] == [2.0, 3.0, 2.0]
     assert "0 of 12 side-rounds timed again" in result["setup"]
