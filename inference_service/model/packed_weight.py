@@ -5,7 +5,7 @@ on one core. But its fp32 kernels sum each output over all of a layer's inputs i
 MKL sums blocks of them apart and then adds the blocks: at 1,536 inputs (SmolLM2's down_proj)
 oneDNN's sums err about twice as far from the exact ones, and through 30 layers the default model's
 logits strayed further from the float64 reference than fp32 allows (tests/fp32_agreement.py). So an
-fp32 weight is packed in blocks of SUM_BLOCK inputs, and the output is the sum of the blocks'
+fp32 weight is packed in blocks of at most SUM_BLOCK inputs, and the output is the sum of the blocks'
 matmuls, each added to the last in oneDNN's own epilogue: a blocked sum, as accurate as MKL's and
 still 1.5 to 2 times as fast. In bf16 oneDNN sums in fp32 and rounds once, so that weight is one block
 (adding bf16 partial sums would round each).

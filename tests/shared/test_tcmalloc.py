@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from inference_service.demo import demo
 from shared import tcmalloc
 
 LIBRARY = "libtcmalloc_minimal.so.4"
@@ -46,3 +47,19 @@ def test_a_process_started_preloading_it_allocates_with_tcmalloc():
     for environment, expected in ((env, "False"), (tcmalloc.preloading(env), "True")):
         reply = subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True)
         assert reply.stdout.strip() == expected, reply.stderr
+
+
+def test_a_cpu_worker_on_glibcs_malloc_says_so_and_make_runs_does_not(tmp_path, capfd, monkeypatch):
+    """The worker's first line names what to install; `make run` starts its worker preloading
+    tcmalloc (demo._spawn). A missing model then stops the worker at once."""
+    args = ["--listen", "127.0.0.1:0", "--model", str(tmp_path)]
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    command = [sys.executable, "-m", "inference_service", *args]
+    worker = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert worker.returncode != 0 and "has no config.json" in worker.stderr, worker.stderr
+    assert "libtcmalloc-minimal4" in worker.stderr
+    if tcmalloc.library():
+        capfd.readouterr()
+        assert demo._spawn("inference_service", *args).wait(timeout=120) != 0
+        err = capfd.readouterr().err
+        assert "has no config.json" in err and "libtcmalloc-minimal4" not in err, err
