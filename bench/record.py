@@ -28,6 +28,7 @@ def measure(name: str, title: str, run: Callable[[], dict], command: str, rerun:
 
 
 def write_record(results_dir: Path, record: dict) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)  # a --results folder not made yet: not a lost run
     path = results_dir / f"{record['benchmark']}.json"
     write_atomic(path, json.dumps(record, indent=1) + "\n")
     return path
