@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.cuda_timing import copy_bandwidth
@@ -82,7 +83,6 @@ REQUESTS, ADAPTER_REQUESTS, ADAPTERS, RANK = (1, 32, 128), (32, 128), (1, 8, 32)
 CASES: list[Case] = sorted([(r, 0) for r in REQUESTS] + [(r, n) for r in ADAPTER_REQUESTS for n in ADAPTERS])
 PROFILE_STEPS = 4
 MIN_TOKENS = 2 * PROFILE_STEPS + 2  # a busy-fraction run: first token, first decode, timed, profiled
-DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the profiler's activities that occupy the GPU
 NA = "n/a on cpu"
 Samples = dict[Case, list[float]]
 Progress = Callable[[str], None]
@@ -200,8 +200,8 @@ def ours(
         rates, ratios = decode_rounds(base, lora, setup, progress)
         progress("loramux: GPU-busy fractions, CUDA graphs")
         # warm from the rounds: every batch size has run
-        busy = busy_fractions(base, [c for c in CASES if not c[1]], setup, warm_up=False)
-        busy |= busy_fractions(lora, [c for c in CASES if c[1]], setup, warm_up=False)
+        busy = busy_fractions(base, [c for c in CASES if not c[1]], setup, False, progress)
+        busy |= busy_fractions(lora, [c for c in CASES if c[1]], setup, False, progress)
     base.stop()
     lora.stop()
     return rates, ratios, busy
@@ -224,6 +224,8 @@ def decode_rounds(base: Engine, lora: Engine, setup: Setup, progress: Progress) 
             measured = decode_rates(runs[::-1] if flip else runs, setup.prompt, setup.tokens)
             measured = measured[::-1] if flip else measured
             if r:
+                rounded = ", ".join(f"{m:.1f}" for m in measured)
+                progress(f"  {requests} requests, {adapters} adapters: tok/s {rounded}")
                 rates[(requests, 0)].append(measured[0])
                 if adapters:
                     rates[case].append(measured[1])
@@ -241,7 +243,7 @@ def eager_busy(
         engine = loramux_engine(model_dir, setup, held, graphs=False)
         with torch.inference_mode():
             busy |= busy_fractions(
-                engine, [c for c in CASES if bool(c[1]) == bool(held)], setup, warm_up=True
+                engine, [c for c in CASES if bool(c[1]) == bool(held)], setup, True, progress
             )
         engine.stop()
         del engine
@@ -250,13 +252,14 @@ def eager_busy(
 
 
 def busy_fractions(
-    engine: Engine, cases: list[Case], setup: Setup, warm_up: bool
+    engine: Engine, cases: list[Case], setup: Setup, warm_up: bool, progress: Progress
 ) -> dict[Case, float | None]:
     busy = {}
     for case in cases:
         if warm_up:  # a fresh engine's first steps at a batch size compile and tune kernels
             busy_fraction(engine, requests_of(case), setup)
         busy[case] = busy_fraction(engine, requests_of(case), setup)
+        progress(f"  {case[0]} requests, {case[1]} adapters: GPU busy {percent(busy[case])}%")
     return busy
 
 
@@ -273,12 +276,14 @@ def busy_fraction(engine: Engine, adapters: list[str | None], setup: Setup) -> f
 
 
 def device_seconds(engine: Engine, steps: int) -> float:
-    """GPU time of the next `steps` steps: kernels, copies and memsets, as torch.profiler records
-    them (CPU activity too: without it CUDA events have been seen to go missing)."""
+    """GPU time of the next `steps` steps: every activity torch.profiler records on the device
+    (kernels, copies, memsets; CPU activity is recorded too: without it CUDA events have been seen
+    to go missing)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
-    return sum(e.time_range.elapsed_us() for e in prof.events() if e.activity_type in DEVICE_WORK) / 1e6
+    events = prof.profiler.kineto_results.events()
+    return sum(e.duration_ns() for e in events if e.device_type() == DeviceType.CUDA) / 1e9
 
 
 # --- HF transformers + PEFT ---------------------------------------------------------------
@@ -310,6 +315,7 @@ def hf_decode_rates(model: torch.nn.Module, case: Case, setup: Setup, progress: 
         prefill = hf_run(model, [replace(job, tokens=1) for job in jobs]).seconds
         whole = hf_run(model, jobs).seconds
         rates.append(len(jobs) * (setup.tokens - 1) / (whole - prefill))
+        progress(f"  tok/s {rates[-1]:.1f}")
     return rates
 
 

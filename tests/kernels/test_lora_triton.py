@@ -112,8 +112,9 @@ def test_a_batch_without_adapters_launches_nothing():
     assert torch.equal(lora_expand_triton(y.clone(), partials, pool, table, 0, (8,), 16, UNIT), y)
 
 
-# Full sizes on a GPU: decode (one token per sequence) and prefill segments, Llama-7B-like widths.
-GPU_SHAPES = [(1, 4096, (4096, 1024, 1024)), (64, 4096, (11008, 11008)), (512, 4096, (4096,))]
+# Full sizes on a GPU: a decode batch (one token per sequence, base and LoRA) and prefill segments,
+# Llama-7B-like widths.
+GPU_SHAPES = [(32, 4096, (4096, 1024, 1024)), (64, 4096, (11008, 11008)), (512, 4096, (4096,))]
 
 
 @pytest.mark.gpu

@@ -150,7 +150,9 @@ def test_engine_on_cuda_equals_peft_and_keeps_host_adapters_pinned(
     for i, tokens in enumerate(expected):
         assert got[str(i)] == tokens, f"request {i} ({WORKLOAD[i][0]})"
     ready = [engine.host.get(name) for name in tiny_adapters["llama"]]
-    assert all(pages.is_pinned() for r in ready for pages in r.image.pages)
+    # an empty part (a target the adapter leaves alone, no vocabulary side) holds no memory to pin
+    assert all(pages.is_pinned() for r in ready for pages in r.image.pages if pages.numel())
+    assert sum(pages.numel() for r in ready for pages in r.image.pages) > 0
     _assert_idle(engine)
 
 
