@@ -24,6 +24,9 @@ import torch
 
 PAGE_RANK = 8  # rank rows per page
 TILE_ROWS = 16  # tokens per Triton program: the smallest M tl.dot takes
+# On the CPU, a run of this many tokens of one adapter is its own chunk, read in place: more than
+# gathering, padding and scattering them would cost beside other adapters' few tokens
+RUN_ROWS = 64
 
 
 def page_width(in_features: int, out_features: int, gathered: int = 1) -> int:
@@ -242,7 +245,41 @@ def _page_rows(
             by_pages.setdefault(len(pages), []).append((toks, pages))
     if not by_pages:
         return None
-    return tuple(_chunks(used, tokens, device) for _, used in sorted(by_pages.items()))
+    groups_by_pages = [used for _, used in sorted(by_pages.items())]
+    return tuple(work for used in groups_by_pages for work in _runs_then_chunks(used, tokens, device))
+
+
+def _runs_then_chunks(used: list[tuple[list[int], tuple[int, ...]]], tokens: int, device) -> list[PageChunks]:
+    """A run of RUN_ROWS or more tokens of one adapter, one after another (a prefill chunk), is
+    its own chunk, read and written in place; the other tokens share padded chunks (_chunks). So
+    one sequence's long prefill chunk pads no decode token of another adapter to its length, and
+    is neither gathered nor scattered."""
+    alone, rest = [], []
+    for toks, pages in used:
+        left = []
+        for run in _consecutive(toks):
+            if len(run) >= RUN_ROWS:
+                alone.append(PageChunks(len(pages), len(run), _int64(pages, device), None, None, run[0]))
+            else:
+                left += run
+        if left:
+            rest.append((left, pages))
+    return alone + ([_chunks(rest, tokens, device)] if rest else [])
+
+
+def _consecutive(toks: list[int]) -> list[list[int]]:
+    """toks (ascending) cut where a token is not the one after the last."""
+    runs = [[toks[0]]]
+    for token in toks[1:]:
+        if token == runs[-1][-1] + 1:
+            runs[-1].append(token)
+        else:
+            runs.append([token])
+    return runs
+
+
+def _int64(values: list[int] | tuple[int, ...], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _chunks(used: list[tuple[list[int], tuple[int, ...]]], tokens: int, device) -> PageChunks:
@@ -258,11 +295,8 @@ def _chunks(used: list[tuple[list[int], tuple[int, ...]]], tokens: int, device) 
             units += pages
             gather += chunk + [tokens] * padding
             scatter += chunk + [chunk[0]] * padding
-
-    def tensor(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
     in_order = tokens not in gather and gather == list(range(gather[0], gather[0] + len(gather)))
     if in_order:  # and no padding: a view of the tokens
-        return PageChunks(len(used[0][1]), rows, tensor(units), None, None, gather[0])
-    return PageChunks(len(used[0][1]), rows, tensor(units), tensor(gather), tensor(scatter), 0)
+        return PageChunks(len(used[0][1]), rows, _int64(units, device), None, None, gather[0])
+    pages = len(used[0][1])
+    return PageChunks(pages, rows, _int64(units, device), _int64(gather, device), _int64(scatter, device), 0)

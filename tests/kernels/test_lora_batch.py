@@ -1,4 +1,4 @@
-from kernels.lora_batch import TILE_ROWS, AdapterPages, LoraBatch, PageChunks
+from kernels.lora_batch import RUN_ROWS, TILE_ROWS, AdapterPages, LoraBatch, PageChunks
 
 # three adapters on targets 0 and 1 of two targets: ranks 8 (1 page), 20 (3 pages), 0 on target 1
 ADAPTERS = {
@@ -47,6 +47,18 @@ def test_chunks_of_tokens_in_order_without_padding_are_a_range():
     one_page = {0: ADAPTERS[0], 3: AdapterPages((8, 8), ((11,), (51,)))}
     padded = LoraBatch.build([0, 0, 0, 0, 3, 3, 3], one_page).rows[0][0]
     assert padded.gather.tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and padded.scatter.tolist()[-1] == 4
+
+
+def test_a_long_run_of_one_adapter_is_read_in_place_and_pads_no_one_else():
+    # adapter 0's prefill chunk of RUN_ROWS tokens between decodes of adapter 3 (one page too)
+    one_page = {0: ADAPTERS[0], 3: AdapterPages((8, 8), ((11,), (51,)))}
+    slots = [3, *[0] * RUN_ROWS, 3, -1, 3]
+    run, rest = LoraBatch.build(slots, one_page).rows[0]
+    assert (run.gather, run.first, run.rows, run.units.tolist()) == (None, 1, RUN_ROWS, [10])
+    assert rest.rows == 3 and rest.gather.tolist() == [0, RUN_ROWS + 1, RUN_ROWS + 3]
+    # one token fewer is not a run: padded beside adapter 3's, as before
+    (shared,) = LoraBatch.build([3, *[0] * (RUN_ROWS - 1), 3, -1, 3], one_page).rows[0]
+    assert shared.gather is not None and shared.chunks * shared.rows >= RUN_ROWS + 2
 
 
 def test_a_target_no_adapter_of_the_step_has_costs_nothing():

@@ -5,7 +5,7 @@ every element of the pool outside the adapters' pages NaN, so a read of another 
 import pytest
 import torch
 
-from kernels.lora_batch import PAGE_RANK, LoraBatch, page_views
+from kernels.lora_batch import PAGE_RANK, RUN_ROWS, LoraBatch, page_views
 from kernels.lora_bmm import lora_bmm, lora_ref
 from tests.kernels.paged_adapters import RANKS, UNIT, paged_adapters
 from tests.kernels.rounding import assert_within, cast_error, fp32_error, gamma
@@ -81,6 +81,28 @@ def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, grou
         exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
         for work in batch.rows[target] or ():
             lora_bmm(out[:, columns], x_padded, pool, UNIT, work)
+        assert_within(out[:, columns], exact, _bound(y[:, columns], x, pool, slots, adapters, target))
+        offset += size
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_prefill_runs_beside_decodes_match_the_reference(dtype):
+    """A step as the engine mixes them: decodes of several adapters, one adapter's prefill chunk of
+    RUN_ROWS + 5 tokens (read in place), another's cut short by a base-model token (padded)."""
+    first_target, sizes = SLICES["gate_up"]
+    pool, adapters = _memory(first_target, 24, sizes, dtype)
+    slots = [1, 2, -1, *[0] * (RUN_ROWS + 5), 3, *[2] * (RUN_ROWS - 1), -1, 2, 1]
+    batch = LoraBatch.build(slots, adapters)
+    assert any(work.gather is None and work.rows == RUN_ROWS + 5 for work in batch.rows[first_target])
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(len(slots), 24, generator=generator).to(dtype)
+    y = torch.randn(len(slots), sum(sizes), generator=generator).to(dtype)
+    out, offset = y.clone(), 0
+    for s, size in enumerate(sizes):
+        target, columns = first_target + s, slice(offset, offset + size)
+        exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
+        for work in batch.rows[target]:
+            lora_bmm(out[:, columns], torch.cat([x, x.new_zeros(1, 24)]), pool, UNIT, work)
         assert_within(out[:, columns], exact, _bound(y[:, columns], x, pool, slots, adapters, target))
         offset += size
 
