@@ -249,10 +249,14 @@ def _attend_decodes(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -
     # index_select, not advanced indexing: several times faster for these gathers on CPU
     decodes = path.decode_blocks.shape[0]
     blocks = path.decode_blocks.flatten()  # [decodes*width]
-    # in fp32 whatever the cache's dtype: torch's CPU SDPA of one query per sequence is 6 times
-    # slower in bf16 than in fp32 (it sums in fp32 either way; only the output is rounded)
-    qd = q.index_select(0, decode_tokens)[:, :, None, :].float()  # [decodes, heads, 1, hd]
-    kd = k_cache.index_select(0, blocks).view(decodes, -1, *k_cache.shape[2:]).transpose(1, 2).float()
-    vd = v_cache.index_select(0, blocks).view(decodes, -1, *v_cache.shape[2:]).transpose(1, 2).float()
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=path.decode_mask, scale=scale, enable_gqa=True)
-    return o[:, :, 0, :].to(q.dtype)  # [decodes, heads, hd]
+    qd = q.index_select(0, decode_tokens)  # [decodes, heads, hd]
+    kd = k_cache.index_select(0, blocks).view(decodes, -1, *k_cache.shape[2:]).transpose(1, 2)
+    vd = v_cache.index_select(0, blocks).view(decodes, -1, *v_cache.shape[2:]).transpose(1, 2)
+    # [decodes, kv_heads, width, hd] each. The query heads that share a KV head attend as its
+    # `group` queries: no KV head is repeated, and in bf16 torch's CPU SDPA is fast (one query
+    # per head runs 6 times slower there, and upcasting the gathered K and V costs their copies)
+    kv_heads = kd.shape[1]
+    group = qd.shape[1] // kv_heads
+    qg = qd.view(decodes, kv_heads, group, qd.shape[2])  # [decodes, kv_heads, group, hd]
+    o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=path.decode_mask, scale=scale)
+    return o.reshape(qd.shape)  # [decodes, heads, hd]
