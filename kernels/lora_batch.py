@@ -160,9 +160,9 @@ class LoraBatch:
     Semantics: token i of the flattened batch uses the resident adapter `token_slots[i]` (a
     handle of the adapter memory; -1: the base model alone), whose pages `adapters` gives. On
     the CPU, `rows[t]` is target t's batched work, one PageChunks per page count among the
-    step's adapters (None: no token's adapter targets t, and the target costs nothing); on the
-    Triton kernels' path (`kernels`, by default on CUDA) `table` holds the step (None: no token
-    uses an adapter).
+    step's adapters, and one per long run of one adapter's tokens (None: no token's adapter
+    targets t, and the target costs nothing); on the Triton kernels' path (`kernels`, by
+    default on CUDA) `table` holds the step (None: no token uses an adapter).
     """
 
     rows: tuple[tuple[PageChunks, ...] | None, ...] | None
@@ -295,8 +295,8 @@ def _chunks(used: list[tuple[list[int], tuple[int, ...]]], tokens: int, device) 
             units += pages
             gather += chunk + [tokens] * padding
             scatter += chunk + [chunk[0]] * padding
+    pages = len(used[0][1])
     in_order = tokens not in gather and gather == list(range(gather[0], gather[0] + len(gather)))
     if in_order:  # and no padding: a view of the tokens
-        return PageChunks(len(used[0][1]), rows, _int64(units, device), None, None, gather[0])
-    pages = len(used[0][1])
+        return PageChunks(pages, rows, _int64(units, device), None, None, gather[0])
     return PageChunks(pages, rows, _int64(units, device), _int64(gather, device), _int64(scatter, device), 0)
