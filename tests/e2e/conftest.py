@@ -57,22 +57,28 @@ class WorkerProcess:
         self._wait_ready()
         return self
 
-    def _wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                status = health.Check(health_pb2.HealthCheckRequest(service="readiness")).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                time.sleep(0.1)
-        raise RuntimeError(f"worker not ready:\n{self.log.read_text()[-3000:]}")
+    def _wait_ready(self) -> None:
+        wait_ready(self.address, self.log)
 
     def terminate(self) -> None:
         self.process.send_signal(signal.SIGTERM)
 
     def wait(self, timeout_s: float = 30) -> int:
         return self.process.wait(timeout=timeout_s)
+
+
+def wait_ready(address: str, log: Path, timeout_s: float = 60) -> None:
+    """Returns once the worker at `address` reports readiness (its model loaded): it listens
+    before, and answers Generate with UNAVAILABLE until then."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            status = health.Check(health_pb2.HealthCheckRequest(service="readiness")).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.1)
+    raise RuntimeError(f"worker not ready:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
 from tests.adapter_store.conftest import spawn
+from tests.e2e.conftest import wait_ready
 from tests.e2e.faulty_worker import FAULT, HANGING
 from tests.prometheus_scrape import logged_metrics_address, scrape, value
 
@@ -93,6 +94,7 @@ def test_stats_metrics_and_adapter_listings_answer_while_a_step_hangs(tiny_model
     process, address = spawn("tests.e2e.faulty_worker", [*args, "--metrics-listen", "127.0.0.1:0"], env, log)
     try:
         metrics = logged_metrics_address(log)
+        wait_ready(address, log)  # a Generate sent while the model loads is refused, not hung
         with grpc.insecure_channel(address) as channel:
             stub = inference_grpc.InferenceServiceStub(channel)
             stream = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7])), timeout=60)
