@@ -200,8 +200,8 @@ def ours(
         rates, ratios = decode_rounds(base, lora, setup, progress)
         progress("loramux: GPU-busy fractions, CUDA graphs")
         # warm from the rounds: every batch size has run
-        busy = busy_fractions(base, [c for c in CASES if not c[1]], setup, False, progress)
-        busy |= busy_fractions(lora, [c for c in CASES if c[1]], setup, False, progress)
+        busy = busy_fractions(base, [c for c in CASES if not c[1]], setup, warm_up=False, progress=progress)
+        busy |= busy_fractions(lora, [c for c in CASES if c[1]], setup, warm_up=False, progress=progress)
     base.stop()
     lora.stop()
     return rates, ratios, busy
@@ -243,7 +243,7 @@ def eager_busy(
         engine = loramux_engine(model_dir, setup, held, graphs=False)
         with torch.inference_mode():
             busy |= busy_fractions(
-                engine, [c for c in CASES if bool(c[1]) == bool(held)], setup, True, progress
+                engine, [c for c in CASES if bool(c[1]) == bool(held)], setup, warm_up=True, progress=progress
             )
         engine.stop()
         del engine

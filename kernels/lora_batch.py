@@ -191,7 +191,8 @@ class LoraBatch:
                 None, SegmentTable.build(groups, adapters, max_pages, device) if groups else None, step
             )
         targets = len(next(iter(adapters.values())).ranks) if adapters else 0
-        rows = tuple(_page_rows(groups, adapters, t, len(token_slots), device) for t in range(targets))
+        runs = {slot: _consecutive(toks) for slot, toks in groups.items()}  # the same on every target
+        rows = tuple(_page_rows(runs, adapters, t, len(token_slots), device) for t in range(targets))
         return cls(rows, None, step)
 
     def for_experts(
@@ -235,29 +236,32 @@ class StepAdapters:
 
 
 def _page_rows(
-    groups: dict[int, list[int]], adapters: Mapping[int, AdapterPages], target: int, tokens: int, device
+    runs: dict[int, list[list[int]]], adapters: Mapping[int, AdapterPages], target: int, tokens: int, device
 ) -> tuple[PageChunks, ...] | None:
-    """The adapters targeting `target`, grouped by their page count there."""
-    by_pages: dict[int, list[tuple[list[int], tuple[int, ...]]]] = {}
-    for slot, toks in groups.items():
+    """The adapters targeting `target`, grouped by their page count there; runs[slot]: the
+    adapter's tokens in runs of consecutive ones."""
+    by_pages: dict[int, list[tuple[list[list[int]], tuple[int, ...]]]] = {}
+    for slot, slot_runs in runs.items():
         if adapters[slot].ranks[target]:
             pages = adapters[slot].pages[target]
-            by_pages.setdefault(len(pages), []).append((toks, pages))
+            by_pages.setdefault(len(pages), []).append((slot_runs, pages))
     if not by_pages:
         return None
     groups_by_pages = [used for _, used in sorted(by_pages.items())]
     return tuple(work for used in groups_by_pages for work in _runs_then_chunks(used, tokens, device))
 
 
-def _runs_then_chunks(used: list[tuple[list[int], tuple[int, ...]]], tokens: int, device) -> list[PageChunks]:
+def _runs_then_chunks(
+    used: list[tuple[list[list[int]], tuple[int, ...]]], tokens: int, device
+) -> list[PageChunks]:
     """A run of RUN_ROWS or more tokens of one adapter, one after another (a prefill chunk), is
     its own chunk, read and written in place; the other tokens share padded chunks (_chunks). So
     one sequence's long prefill chunk pads no decode token of another adapter to its length, and
     is neither gathered nor scattered."""
     alone, rest = [], []
-    for toks, pages in used:
+    for slot_runs, pages in used:
         left = []
-        for run in _consecutive(toks):
+        for run in slot_runs:
             if len(run) >= RUN_ROWS:
                 alone.append(PageChunks(len(pages), len(run), _int64(pages, device), None, None, run[0]))
             else:

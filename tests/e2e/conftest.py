@@ -54,11 +54,8 @@ class WorkerProcess:
     def start(self) -> "WorkerProcess":
         env = {"LORAMUX_CACHE": str(self.cache)}
         self.process, self.address = spawn("inference_service", self.args, env, self.log)
-        self._wait_ready()
-        return self
-
-    def _wait_ready(self) -> None:
         wait_ready(self.address, self.log)
+        return self
 
     def terminate(self) -> None:
         self.process.send_signal(signal.SIGTERM)
