@@ -24,12 +24,27 @@ class SequenceChunk:
     token_start: int
 
 
+# Query rows per SDPA call of a prefill chunk on the CPU. Torch's CPU flash kernel skips no work
+# under its causal mask at these lengths (its key blocks are 512 wide), so a chunk attends in pieces
+# of this many queries, each to the keys up to its own last: a 512-token chunk does 56% of the
+# products, in 0.72 of one call's time (2 cores, fp32 and bf16).
+PIECE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """Queries [rows] of a prefill chunk against the keys at positions [keys.start, keys.stop)."""
+
+    rows: slice  # rows of the flattened batch
+    keys: slice  # positions in the sequence
+    mask: torch.Tensor | None  # [rows, keys] bool; None = causal, the rows' positions being the keys'
+
+
 @dataclass(frozen=True)
 class PrefillAttention:
-    tokens: slice  # rows of the flattened batch
     blocks: torch.Tensor  # [blocks] holding positions [0, context)
     context: int  # cached + new tokens
-    mask: torch.Tensor | None  # [new, context] bool; None = plain causal from position 0
+    pieces: tuple[PrefillPiece, ...]
 
 
 @dataclass(frozen=True)
@@ -163,13 +178,25 @@ def _block_tables(chunks: list[SequenceChunk], block_size: int, device) -> torch
 
 def _prefill(chunk: SequenceChunk, block_size: int, window: int | None, device) -> PrefillAttention:
     context = chunk.cached + chunk.num_tokens
-    tokens = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
     blocks = _long(chunk.block_table[: -(-context // block_size)], device)
-    if chunk.cached == 0 and (window is None or window >= context):
-        return PrefillAttention(tokens, blocks, context, None)
-    query_pos = torch.arange(chunk.cached, context, device=device)[:, None]  # [new, 1]
-    key_pos = torch.arange(context, device=device)[None, :]  # [1, context]
-    return PrefillAttention(tokens, blocks, context, _visible(query_pos, key_pos, window))
+    pieces = tuple(
+        _piece(chunk, first, min(first + PIECE_ROWS, chunk.num_tokens), window, device)
+        for first in range(0, chunk.num_tokens, PIECE_ROWS)
+    )
+    return PrefillAttention(blocks, context, pieces)
+
+
+def _piece(chunk: SequenceChunk, first: int, end: int, window: int | None, device) -> PrefillPiece:
+    """The chunk's new tokens [first, end): they see no key past the last of them, nor (in a
+    sliding window) any before the window of the first."""
+    start, stop = chunk.cached + first, chunk.cached + end  # their positions
+    keys = slice(0 if window is None else max(0, start - window + 1), stop)
+    rows = slice(chunk.token_start + first, chunk.token_start + end)
+    if keys.start == start and (window is None or window >= end - first):
+        return PrefillPiece(rows, keys, None)
+    query_pos = torch.arange(start, stop, device=device)[:, None]  # [rows, 1]
+    key_pos = torch.arange(keys.start, keys.stop, device=device)[None, :]  # [1, keys]
+    return PrefillPiece(rows, keys, _visible(query_pos, key_pos, window))
 
 
 def _decode_mask(decodes: list[SequenceChunk], width: int, window: int | None, device) -> torch.Tensor:
@@ -225,7 +252,8 @@ def _attend_sdpa(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -> t
     for p in path.prefills:
         kp = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]  # [context, kv_heads, hd]
         vp = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]
-        out[p.tokens] = _attend_one(q[p.tokens], kp, vp, p.mask, scale)
+        for piece in p.pieces:
+            out[piece.rows] = _attend_one(q[piece.rows], kp[piece.keys], vp[piece.keys], piece.mask, scale)
     if decode_tokens.numel():
         out.index_copy_(0, decode_tokens, _attend_decodes(q, k_cache, v_cache, decode_tokens, path, scale))
     return out

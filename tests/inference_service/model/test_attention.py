@@ -8,7 +8,14 @@ import random
 import pytest
 import torch
 
-from inference_service.model.attention import AttentionMetadata, KernelPath, SdpaPath, SequenceChunk, attend
+from inference_service.model.attention import (
+    PIECE_ROWS,
+    AttentionMetadata,
+    KernelPath,
+    SdpaPath,
+    SequenceChunk,
+    attend,
+)
 from inference_service.model.kv_cache import KVCache
 from tests.kernels.rounding import assert_within, attention_bound
 
@@ -89,6 +96,44 @@ def test_kernel_path_matches_sdpa_path(window, dtype):
             assert torch.equal(caches[1].k[0, block, offset], k[row])
             assert torch.equal(caches[1].v[0, block, offset], v[row])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def _dense_attention(q, keys, values, positions, window) -> torch.Tensor:
+    """q [new, heads, hd] at `positions` over a whole sequence's keys and values [context,
+    kv_heads, hd]: each query's softmax over the keys it sees, one head at a time, in float64."""
+    group = q.shape[1] // keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row, position in enumerate(positions):
+        first = 0 if window is None else max(0, position - window + 1)
+        for head in range(q.shape[1]):
+            k = keys[first : position + 1, head // group].double()  # [seen, hd]
+            v = values[first : position + 1, head // group].double()
+            weights = torch.softmax(k @ q[row, head].double() * SCALE, dim=0)  # [seen]
+            out[row, head] = weights @ v
+    return out
+
+
+@pytest.mark.parametrize("window", [None, PIECE_ROWS // 2 + 3, 3 * PIECE_ROWS])
+@pytest.mark.parametrize("cached", [0, PIECE_ROWS + 5])
+def test_a_long_chunk_attends_in_pieces_as_one_causal_softmax(cached, window):
+    """A chunk of 2.5 pieces after `cached` positions: every query sees exactly its own causal
+    (windowed) keys, across the pieces' edges."""
+    torch.manual_seed(0)
+    new = PIECE_ROWS * 5 // 2
+    context = cached + new
+    blocks = list(range(-(-context // BLOCK_SIZE)))
+    random.Random(1).shuffle(blocks)
+    keys, values = (torch.randn(context, KV_HEADS, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(new, HEADS, HEAD_DIM, dtype=torch.float64)
+    cache = KVCache(1, len(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.float64, "cpu")
+    for position in range(cached):  # the cached positions, as earlier steps wrote them
+        cache.k[0, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = keys[position]
+        cache.v[0, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = values[position]
+    meta = AttentionMetadata.build([SequenceChunk(blocks, cached, new, 0)], BLOCK_SIZE, window, "cpu")
+    assert len(meta.path.prefills[0].pieces) == 3
+    out = attend(q, keys[cached:], values[cached:], cache, 0, meta, SCALE)
+    expected = _dense_attention(q, keys, values, range(cached, context), window)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.gpu
