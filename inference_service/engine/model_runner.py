@@ -1,6 +1,7 @@
 """ModelRunner: the model, its KV cache and its adapter memory on one device; runs one
 flattened batch per call and samples from it."""
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,12 @@ from inference_service.model.model import LlamaModel, model_bytes
 from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.vocab_batch import VocabPages
 from inference_service.model.weights import load_weights
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import ModelConfig
 from shared.nonfinite import finite_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class ModelRunner:
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
+        self.decode_attention = _cpu_decode_attention() if self.device.type == "cpu" else None
         self.ranks = (RankReport(self.parallel.shard.rank, **self.memory_report()),)  # the others: start
         self.graphs = None
         # An MoE step's expert tiles depend on its routing (read on the host): no graph replays
@@ -238,6 +243,7 @@ class ModelRunner:
             kernels,
             self._vocab,
             self.parallel.shard.vocab(self.model_config.vocab_size),
+            self.decode_attention,
         )
         return self.model(batch, self.cache)
 
@@ -284,6 +290,14 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.zero_blocks(blocks)
         self.cache.zero_blocks(blocks)
+
+
+def _cpu_decode_attention() -> CpuDecodeAttention | None:
+    """The compiled kernel that decodes reading the KV cache in place, or None (and why, logged):
+    then decodes gather their blocks for SDPA."""
+    kernel, how = CpuDecodeAttention.load()
+    log.info("CPU decode attention: %s", how if kernel else f"gathering blocks for SDPA ({how})")
+    return kernel
 
 
 def _input(chunk: ScheduledChunk) -> SequenceInput:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.model.kv_cache import KVCache
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention, prefill_tiles
 
@@ -49,14 +50,18 @@ class PrefillAttention:
 
 @dataclass(frozen=True)
 class SdpaPath:
-    """The torch path (CPU): sequences with one new token are decoded together in one padded SDPA
-    call; the others (prefill chunks) attend one sequence at a time."""
+    """The torch path (CPU): sequences with one new token are decoded together, by the compiled
+    kernel that reads the cache in place where there is one, else in one padded SDPA call over
+    their gathered blocks; the others (prefill chunks) attend one sequence at a time."""
 
     prefills: tuple[PrefillAttention, ...]
     # [decodes, max_blocks] block tables, each padded with its own first block: masked positions
     # still enter SDPA's product (0 x NaN = NaN), so padding never reads another sequence's blocks
     decode_blocks: torch.Tensor
-    decode_mask: torch.Tensor  # [decodes, 1, 1, max_blocks * block_size] bool
+    decode_contexts: torch.Tensor  # [decodes] int64: cached + 1
+    sliding_window: int | None
+    decode_kernel: CpuDecodeAttention | None
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool; None with the kernel
 
     @classmethod
     def build(
@@ -66,6 +71,7 @@ class SdpaPath:
         block_size: int,
         window: int | None,
         device: torch.device | str,
+        decode_kernel: CpuDecodeAttention | None = None,
     ) -> "SdpaPath":
         width = max((len(c.block_table) for c in decodes), default=0)
         return cls(
@@ -73,8 +79,11 @@ class SdpaPath:
             decode_blocks=_long(
                 [c.block_table + c.block_table[:1] * (width - len(c.block_table)) for c in decodes],
                 device,
-            ),
-            decode_mask=_decode_mask(decodes, width * block_size, window, device),
+            ).view(len(decodes), width),
+            decode_contexts=_long([c.cached + 1 for c in decodes], device),
+            sliding_window=window,
+            decode_kernel=decode_kernel,
+            decode_mask=None if decode_kernel else _decode_mask(decodes, width * block_size, window, device),
         )
 
 
@@ -134,19 +143,24 @@ class AttentionMetadata:
         sliding_window: int | None,
         device: torch.device | str,
         kernels: bool | None = None,
+        decode_kernel: CpuDecodeAttention | None = None,
     ) -> "AttentionMetadata":
-        """kernels: take the Triton kernels' path (default: on CUDA) rather than SDPA's."""
+        """kernels: take the Triton kernels' path (default: on CUDA) rather than SDPA's, on which
+        decode_kernel (if given) decodes."""
         positions, slots = _positions_and_slots(chunks, block_size)
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
-        path = KernelPath if kernels else SdpaPath
+        if kernels:
+            path = KernelPath.build(prefills, decodes, block_size, sliding_window, device)
+        else:
+            path = SdpaPath.build(prefills, decodes, block_size, sliding_window, device, decode_kernel)
         return cls(
             positions=torch.from_numpy(positions).to(device),
             cache_slots=torch.from_numpy(slots).to(device),
             decode_tokens=_long([c.token_start for c in decodes], device),
-            path=path.build(prefills, decodes, block_size, sliding_window, device),
+            path=path,
         )
 
 
@@ -276,6 +290,11 @@ def _attend_one(q, k, v, mask, scale) -> torch.Tensor:
 
 
 def _attend_decodes(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -> torch.Tensor:
+    if path.decode_kernel is not None:
+        qd = q.index_select(0, decode_tokens)  # [decodes, heads, hd]
+        return path.decode_kernel(
+            qd, k_cache, v_cache, path.decode_blocks, path.decode_contexts, scale, path.sliding_window
+        )
     # index_select, not advanced indexing: several times faster for these gathers on CPU
     decodes = path.decode_blocks.shape[0]
     blocks = path.decode_blocks.flatten()  # [decodes*width]

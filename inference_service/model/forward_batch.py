@@ -7,6 +7,7 @@ import torch
 
 from inference_service.model.attention import AttentionMetadata, SequenceChunk
 from inference_service.model.vocab_batch import VocabBatch, VocabPages
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.lora_batch import AdapterPages, LoraBatch
 
 
@@ -44,11 +45,13 @@ class ForwardBatch:
         kernels: bool | None = None,
         vocab_adapters: Mapping[int, VocabPages] | None = None,
         vocab_range: tuple[int, int] = (0, 1 << 62),
+        decode_kernel: CpuDecodeAttention | None = None,
     ) -> "ForwardBatch":
         """adapters[s]: where the adapter of handle s lies in adapter memory (every handle the
         sequences use); vocab_adapters[s]: its vocabulary-side parts, if it has any, of the rows
         [start, stop) `vocab_range` of the vocabulary this rank holds. kernels: attention and
-        LoRA take the Triton kernels' path (default: on CUDA)."""
+        LoRA take the Triton kernels' path (default: on CUDA); off it, decode_kernel (if given)
+        decodes."""
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
         chunks, token_ids, slots, start = [], [], [], 0
@@ -57,7 +60,9 @@ class ForwardBatch:
             token_ids += s.token_ids
             slots += [s.slot] * len(s.token_ids)
             start += len(s.token_ids)
-        attention = AttentionMetadata.build(chunks, block_size, sliding_window, device, kernels)
+        attention = AttentionMetadata.build(
+            chunks, block_size, sliding_window, device, kernels, decode_kernel
+        )
         last_rows = [c.token_start + c.num_tokens - 1 for c in chunks]
         rows = list(range(start)) if all_logits else last_rows
         return cls(

@@ -1,0 +1,153 @@
+"""cpu_decode_attention: on the CPU, one new token per sequence attends to its context, reading K and
+V in place in the paged cache (kernels/cpu_decode_attention.cpp).
+
+Torch ships no CPU attention that reads a paged cache, and gathering every sequence's blocks into
+one padded tensor for SDPA copies each K and V once more per layer before SDPA reads them again:
+at 512-token contexts the gather and SDPA were half of an fp32 decode step. The C++ source is
+compiled once per machine (it is a few hundred lines: about a second) for the CPU it runs on and
+loaded with ctypes; where no compiler is found, `CpuDecodeAttention.load` says why and returns None,
+and attention gathers as before.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+MAX_ROW = 8192  # kMaxRow in the source: kv_heads * head_dim at most
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+_SIZES = ("decodes", "kv_heads", "group", "head_dim", "block_size", "table_width", "width", "window")
+
+
+class _Shape(ctypes.Structure):  # Shape in the source
+    _fields_ = [(name, ctypes.c_int64) for name in _SIZES] + [("scale", ctypes.c_float)]
+
+
+class CpuDecodeAttention:
+    """The compiled kernels of one process."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._library = library
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> "tuple[CpuDecodeAttention | None, str]":
+        """The kernels, built into `directory` (default: a per-user folder under the system's
+        temporary one) unless this machine's build is there; (None, why) where they cannot be."""
+        compiler = shutil.which("c++") or shutil.which("g++")
+        if compiler is None:
+            return None, "no C++ compiler (c++ or g++) on PATH"
+        directory = directory or Path(tempfile.gettempdir()) / f"loramux-kernels-{os.getuid()}"
+        library = directory / f"cpu_decode_attention-{_build_key(compiler)}.so"
+        if not library.exists():
+            error = _build(compiler, library)
+            if error:
+                return None, error
+        return cls(ctypes.CDLL(str(library))), f"built with {compiler} at {library}"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        contexts: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Semantics: out[i, h] = softmax(scale * K_i @ q[i, h]) @ V_i, K_i and V_i holding kv head
+        h // (heads / kv_heads) of sequence i's positions p with c - w <= p < c (c = contexts[i],
+        w = sliding_window or unbounded), position p being row p % block_size of block
+        block_tables[i, p // block_size].
+
+        q: [decodes, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim],
+        contiguous, fp32, bf16 or fp16; block_tables: [decodes, max_blocks] int64; contexts:
+        [decodes] int64, each at least 1 and at most max_blocks * block_size. Returns [decodes,
+        heads, head_dim] in q's dtype; scores, softmax and sums are fp32 (softmax is torch's).
+        """
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+        assert block_tables.dtype == contexts.dtype == torch.int64 and block_tables.is_contiguous()
+        decodes, heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        assert kv_heads * head_dim <= MAX_ROW
+        shape = _Shape(
+            decodes, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
+            block_tables.shape[1] * block_size, sliding_window or 0, scale,
+        )  # fmt: skip
+        name = NAMES[k_cache.dtype]
+        tables, contexts = block_tables, contexts.contiguous()
+        q32 = q.float().contiguous()  # [decodes, heads, hd]
+        scores = torch.empty(decodes, heads, shape.width)  # [decodes, heads, width]; -inf where unseen
+        self._run(f"decode_scores_{name}", shape, q32, k_cache, tables, contexts, scores)
+        probs = torch.softmax(scores, dim=-1)  # [decodes, heads, width]
+        out = torch.empty(decodes, heads, head_dim)  # [decodes, heads, hd]
+        self._run(f"decode_values_{name}", shape, probs, v_cache, tables, contexts, out)
+        return out.to(q.dtype)
+
+    def _run(self, function: str, shape: _Shape, *tensors: torch.Tensor) -> None:
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in tensors)
+        getattr(self._library, function)(ctypes.byref(shape), *pointers)
+
+
+def _build_key(compiler: str) -> str:
+    """Names the build of this source, by these flags, for this CPU (-march=native)."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_signature())).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_signature() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return platform.processor()
+    lines = cpuinfo.read_text().splitlines()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _build(compiler: str, library: Path) -> str:
+    """Compiles SOURCE into `library`, atomically (processes may build it at once); '' or why not."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        partial = Path(scratch) / library.name
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            return f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}"
+        os.replace(partial, library)
+    return ""
+
+
+def cpu_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    contexts: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Plain per-sequence, per-head loop in float64: the definition the kernel is checked against."""
+    decodes, heads, _ = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(decodes):
+        context = int(contexts[i])
+        first = max(0, context - sliding_window) if sliding_window else 0
+        positions = torch.arange(first, context)
+        blocks = block_tables[i][positions // block_size]
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            k = k_cache[blocks, positions % block_size, kv].double()  # [seen, hd]
+            v = v_cache[blocks, positions % block_size, kv].double()
+            out[i, h] = torch.softmax(k @ q[i, h].double() * scale, dim=0) @ v
+    return out

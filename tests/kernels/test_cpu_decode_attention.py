@@ -1,0 +1,86 @@
+"""CpuDecodeAttention, the compiled CPU kernel, against its plain loop reference in float64: every
+dtype, group size, block size and window, on a cache whose unwritten rows are NaN (a read past a
+context or through a table's padding shows); and what load says where it cannot build."""
+
+import pytest
+import torch
+
+from kernels.cpu_decode_attention import CpuDecodeAttention, cpu_decode_attention_ref
+from tests.kernels.paged_cache import paged_cache
+from tests.kernels.rounding import assert_within, attention_bound
+
+Q_STD = 4.0  # peaks the softmax as trained models' do (tests/kernels/test_paged_decode_attention.py)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CONTEXTS = [1, 7, 33, 150, 64]
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> CpuDecodeAttention:
+    kernel, why = CpuDecodeAttention.load(tmp_path_factory.mktemp("kernels"))
+    assert kernel is not None, why  # this machine has a compiler: make test's set-up needs one
+    return kernel
+
+
+def _case(contexts, group, block_size, dtype, kv_heads=1, head_dim=16):
+    k_cache, v_cache, tables = paged_cache(contexts, block_size, kv_heads, head_dim, dtype)
+    q = torch.randn(len(contexts), kv_heads * group, head_dim, dtype=dtype) * Q_STD
+    return q, k_cache, v_cache, tables.long(), torch.tensor(contexts, dtype=torch.int64)
+
+
+def _check(got, q, k_cache, v_cache, tables, contexts, scale, window):
+    """Within softmax_average_bound: a row sums at most its window's keys, in one pass (torch's
+    softmax over all of them, no rescaling)."""
+    exact = cpu_decode_attention_ref(q, k_cache, v_cache, tables, contexts, scale, window)
+    magnitude = cpu_decode_attention_ref(q, k_cache, v_cache.abs(), tables, contexts, scale, window)
+    keys = int(contexts.max()) if window is None else min(int(contexts.max()), window)
+    bound = attention_bound(magnitude, q, k_cache, v_cache, scale, keys=keys, rescales=1, device=q.device)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert_within(got, exact, bound)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_matches_reference(kernel, group, block_size, window, dtype):
+    q, k_cache, v_cache, tables, contexts = _case(CONTEXTS, group, block_size, dtype)
+    scale = q.shape[-1] ** -0.5
+    _check(
+        kernel(q, k_cache, v_cache, tables, contexts, scale, window),
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        contexts,
+        scale,
+        window,
+    )
+
+
+@pytest.mark.parametrize("head_dim", [24, 64, 80])  # past, at and between the kernel's vector widths
+def test_several_kv_heads_and_head_dims(kernel, head_dim):
+    q, k_cache, v_cache, tables, contexts = _case(
+        [9, 70, 1], 3, 4, torch.float32, kv_heads=2, head_dim=head_dim
+    )
+    _check(
+        kernel(q, k_cache, v_cache, tables, contexts, 0.2, None),
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        contexts,
+        0.2,
+        None,
+    )
+
+
+def test_no_decodes_returns_nothing(kernel):
+    q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.float32)
+    out = kernel(q[:0], k_cache, v_cache, tables[:0], contexts[:0], 0.25, None)
+    assert out.shape == (0, *q.shape[1:])
+
+
+def test_without_a_compiler_load_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    kernel, why = CpuDecodeAttention.load(tmp_path)
+    assert kernel is None and "no C++ compiler" in why
