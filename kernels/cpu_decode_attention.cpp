@@ -2,15 +2,15 @@
 // documented by kernels/cpu_decode_attention.py. Two passes per sequence, in parallel over them: scores = scale * q . k for every key the sequence sees, then out = sum of p * v over
 // the same keys, p = softmax(scores) being computed in between by torch. Products and sums are fp32
 // whatever the cache's dtype.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace {
-
-constexpr int64_t kMaxRow = 8192;  // kv_heads * head_dim at most: the launcher refuses more
 
 struct Shape {
     int64_t decodes, kv_heads, group, head_dim, block_size, table_width, width, window;
@@ -49,76 +49,86 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return sum;
 }
 
-// y += w * x over n floats.
-inline void axpy(float w, const float* x, float* y, int64_t n) {
-    int64_t d = 0;
-    for (; d + kVec <= n; d += kVec) {
-        const Vec v = load(y + d) + w * load(x + d);
-        std::memcpy(y + d, &v, sizeof v);
-    }
-    for (; d < n; ++d) y[d] += w * x[d];
-}
-
 // One sequence's keys or values: positions [first, context) of its blocks.
 template <typename T>
 struct Sequence {
     const Shape& s;
     const T* cache;  // [blocks, block_size, kv_heads, head_dim]
     const int64_t* table;  // [table_width] its blocks
-    int64_t first, context;
+    int64_t first, context, row;  // row: kv_heads * head_dim, a position's values
+    std::vector<float> buffer;  // a block, widened (none for fp32)
 
     Sequence(const Shape& shape, const T* cache_, const int64_t* tables, const int64_t* contexts, int64_t i)
-        : s(shape), cache(cache_), table(tables + i * shape.table_width), context(contexts[i]) {
+        : s(shape), cache(cache_), table(tables + i * shape.table_width), context(contexts[i]),
+          row(shape.kv_heads * shape.head_dim), buffer(std::is_same_v<T, float> ? 0 : shape.block_size * row) {
         first = s.window > 0 && context > s.window ? context - s.window : 0;
     }
 
-    // Position p's [kv_heads, head_dim], all heads at once, widened into `buffer` unless already
-    // fp32: a sequence reads its blocks' bytes in order, as the prefetchers expect (a head at a
-    // time, they fetched the other heads' lines too).
-    const float* row(int64_t p, float* buffer) const {
-        const int64_t block = table[p / s.block_size], offset = p % s.block_size;
-        const int64_t n = s.kv_heads * s.head_dim;
-        const T* x = cache + (block * s.block_size + offset) * n;
+    // The sequence's b-th block [block_size, kv_heads, head_dim], widened unless already fp32. A
+    // sequence reads its blocks' bytes in order, all heads at once, as the prefetchers expect (a
+    // head at a time, they fetched the other heads' lines too).
+    const float* block(int64_t b) {
+        const T* x = cache + table[b] * s.block_size * row;
         if constexpr (std::is_same_v<T, float>) {
             return x;
         } else {
-            for (int64_t d = 0; d < n; ++d) buffer[d] = widen(x[d]);
-            return buffer;
+            for (int64_t d = 0; d < s.block_size * row; ++d) buffer[d] = widen(x[d]);
+            return buffer.data();
+        }
+    }
+
+    // Calls visit(lo, hi, rows) for each block holding positions seen: they are [lo, hi), position
+    // p's values at rows + (p - lo) * row.
+    template <typename Visit>
+    void blocks(Visit visit) {
+        for (int64_t b = first / s.block_size; b * s.block_size < context; ++b) {
+            const int64_t start = b * s.block_size, lo = std::max(first, start);
+            visit(lo, std::min(context, start + s.block_size), block(b) + (lo - start) * row);
         }
     }
 };
 
 // scores [heads, width] of the sequence's queries q [heads, head_dim]; -inf at keys not seen.
 template <typename T>
-void scores_of(const Sequence<T>& seq, const float* q, float* scores) {
+void scores_of(Sequence<T> seq, const float* q, float* scores) {
     const Shape& s = seq.s;
-    const int64_t heads = s.kv_heads * s.group;
-    float buffer[kMaxRow];
+    const int64_t heads = s.kv_heads * s.group, hd = s.head_dim;
     for (int64_t h = 0; h < heads; ++h) {
         std::fill(scores + h * s.width, scores + h * s.width + seq.first, -INFINITY);
         std::fill(scores + h * s.width + seq.context, scores + (h + 1) * s.width, -INFINITY);
     }
-    for (int64_t p = seq.first; p < seq.context; ++p) {
-        const float* key = seq.row(p, buffer);
-        for (int64_t h = 0; h < heads; ++h) {
-            scores[h * s.width + p] = dot(q + h * s.head_dim, key + h / s.group * s.head_dim, s.head_dim) * s.scale;
+    seq.blocks([&](int64_t lo, int64_t hi, const float* keys) {
+        for (int64_t p = lo; p < hi; ++p) {
+            for (int64_t h = 0; h < heads; ++h) {
+                scores[h * s.width + p] = dot(q + h * hd, keys + (p - lo) * seq.row + h / s.group * hd, hd) * s.scale;
+            }
         }
-    }
+    });
 }
 
-// out [heads, head_dim] = probs [heads, width] times the values seen, summed in fp32 in out.
+// out [heads, head_dim] = probs [heads, width] times the values seen: for each block, a head's
+// sums stay in registers over its positions (each output is still a sum over positions in order).
 template <typename T>
-void values_of(const Sequence<T>& seq, const float* probs, float* out) {
+void values_of(Sequence<T> seq, const float* probs, float* out) {
     const Shape& s = seq.s;
-    const int64_t heads = s.kv_heads * s.group;
-    float buffer[kMaxRow];
-    std::fill(out, out + heads * s.head_dim, 0.0f);
-    for (int64_t p = seq.first; p < seq.context; ++p) {
-        const float* value = seq.row(p, buffer);
+    const int64_t heads = s.kv_heads * s.group, hd = s.head_dim;
+    std::fill(out, out + heads * hd, 0.0f);
+    seq.blocks([&](int64_t lo, int64_t hi, const float* values) {
         for (int64_t h = 0; h < heads; ++h) {
-            axpy(probs[h * s.width + p], value + h / s.group * s.head_dim, out + h * s.head_dim, s.head_dim);
+            const float* w = probs + h * s.width;
+            const float* v = values + h / s.group * hd;  // position p's at v + (p - lo) * row
+            float* o = out + h * hd;
+            int64_t d = 0;
+            for (; d + kVec <= hd; d += kVec) {
+                Vec sum = load(o + d);
+                for (int64_t p = lo; p < hi; ++p) sum += w[p] * load(v + (p - lo) * seq.row + d);
+                std::memcpy(o + d, &sum, sizeof sum);
+            }
+            for (; d < hd; ++d) {
+                for (int64_t p = lo; p < hi; ++p) o[d] += w[p] * v[(p - lo) * seq.row + d];
+            }
         }
-    }
+    });
 }
 
 // q, out: [decodes, heads, head_dim]; scores, probs: [decodes, heads, width]; heads = kv_heads *

@@ -22,7 +22,6 @@ import torch
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-MAX_ROW = 8192  # kMaxRow in the source: kv_heads * head_dim at most
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -78,7 +77,6 @@ class CpuDecodeAttention:
         assert block_tables.dtype == contexts.dtype == torch.int64 and block_tables.is_contiguous()
         decodes, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        assert kv_heads * head_dim <= MAX_ROW
         shape = _Shape(
             decodes, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
             block_tables.shape[1] * block_size, sliding_window or 0, scale,

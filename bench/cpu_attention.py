@@ -1,0 +1,76 @@
+"""CPU attention side by side in one engine: decode steps with the compiled kernel that reads the
+paged cache in place (kernels/cpu_decode_attention.py) against the same steps with gathered blocks
+and SDPA (the path without a compiler), the two alternating in rounds on the same requests, and the
+seconds the engine takes to prefill the requests' prompts. 32 requests on the default model.
+
+    .venv/bin/python -m bench.cpu_attention [--dtypes float32 bfloat16] [--prompts 32 512] [--rounds 6]
+"""
+
+import argparse
+import statistics
+import time
+
+from bench.cache import default_model_dir
+from bench.engine_overhead import REQUESTS, prompt_ids
+from bench.peers import loramux_engine
+from bench.profile_decode import start_decoding
+from inference_service.engine import Engine, Request
+from inference_service.sampling import SamplingParams
+
+STEPS = 10  # decode steps a round times, one at a time (the median is the round's)
+PATHS = ("in place", "gathered")
+
+
+def prefill_seconds(engine: Engine, prompt: int) -> float:
+    """Seconds to prefill REQUESTS prompts of `prompt` tokens and draw each one token."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate([Request(prompt_ids(i, prompt), None, params) for i in range(REQUESTS)])
+    return time.perf_counter() - start
+
+
+def decode_steps(engine: Engine, prompt: int, rounds: int) -> dict[str, float]:
+    """Median decode step seconds per path, over rounds that alternate which path goes first."""
+    kernel = engine.runner.decode_attention
+    start_decoding(engine, [None] * REQUESTS, prompt, 2 * rounds * STEPS + 2)
+    steps: dict[str, list[float]] = {path: [] for path in PATHS}
+    for round_ in range(rounds):
+        for path in PATHS[:: 1 if round_ % 2 == 0 else -1]:
+            engine.runner.decode_attention = kernel if path == "in place" else None
+            times = []
+            for _ in range(STEPS):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            steps[path].append(statistics.median(times))
+    engine.runner.decode_attention = kernel
+    while engine.has_work:
+        engine.step()
+    return {path: statistics.median(times) for path, times in steps.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[32, 512])
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    print("dtype     prompt  prefill s  step ms in place  step ms gathered  ratio")
+    for dtype in args.dtypes:
+        for prompt in args.prompts:
+            max_len = prompt + 2 * args.rounds * STEPS + 8
+            engine = loramux_engine(default_model_dir(), dtype, REQUESTS, max_len, [])
+            if engine.runner.decode_attention is None:
+                raise SystemExit("no CPU decode kernel here (the worker's log says why): nothing to compare")
+            prefill = statistics.median(prefill_seconds(engine, prompt) for _ in range(3))
+            step = decode_steps(engine, prompt, args.rounds)
+            print(
+                f"{dtype:9s} {prompt:6d}  {prefill:9.2f}  {step['in place'] * 1e3:16.2f}  "
+                f"{step['gathered'] * 1e3:16.2f}  {step['in place'] / step['gathered']:.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
