@@ -47,11 +47,13 @@ class CpuDecodeAttention:
             return None, "no C++ compiler (c++ or g++) on PATH"
         directory = directory or Path(tempfile.gettempdir()) / f"loramux-kernels-{os.getuid()}"
         library = directory / f"cpu_decode_attention-{_build_key(compiler)}.so"
-        if not library.exists():
-            error = _build(compiler, library)
+        try:
+            error = "" if library.exists() else _build(compiler, library)
             if error:
                 return None, error
-        return cls(ctypes.CDLL(str(library))), f"built with {compiler} at {library}"
+            return cls(ctypes.CDLL(str(library))), f"built with {compiler} at {library}"
+        except OSError as e:  # a folder not writable, a library not loadable (noexec)
+            return None, f"cannot build or load {library}: {e}"
 
     def __call__(
         self,

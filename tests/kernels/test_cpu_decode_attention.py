@@ -84,3 +84,19 @@ def test_without_a_compiler_load_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     kernel, why = CpuDecodeAttention.load(tmp_path)
     assert kernel is None and "no C++ compiler" in why
+
+
+def test_where_the_library_cannot_be_written_load_says_why(tmp_path):
+    occupied = tmp_path / "file"
+    occupied.write_text("not a folder")
+    kernel, why = CpuDecodeAttention.load(occupied)
+    assert kernel is None and "cannot build or load" in why and str(occupied) in why
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    compiler = tmp_path / "c++"
+    compiler.write_text("#!/bin/sh\necho 'no such flag' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    kernel, why = CpuDecodeAttention.load(tmp_path / "kernels")
+    assert kernel is None and "failed to build" in why and "no such flag" in why
