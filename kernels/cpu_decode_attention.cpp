@@ -131,24 +131,29 @@ void values_of(Sequence<T> seq, const float* probs, float* out) {
     });
 }
 
-// q, out: [decodes, heads, head_dim]; scores, probs: [decodes, heads, width]; heads = kv_heads *
-// group, the query heads of kv head h being [h * group, (h + 1) * group). A sequence per task.
+// Calls work(i) for every sequence i, a sequence per OpenMP task. q, out: [decodes, heads,
+// head_dim]; scores, probs: [decodes, heads, width]; heads = kv_heads * group, the query heads of
+// kv head h being [h * group, (h + 1) * group).
+template <typename Work>
+void each_sequence(const Shape* s, Work work) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < s->decodes; ++i) work(i);
+}
+
 template <typename T>
 void scores(const Shape* s, const float* q, const T* k, const int64_t* tables, const int64_t* contexts, float* out) {
     const int64_t heads = s->kv_heads * s->group;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < s->decodes; ++i) {
+    each_sequence(s, [&](int64_t i) {
         scores_of(Sequence<T>(*s, k, tables, contexts, i), q + i * heads * s->head_dim, out + i * heads * s->width);
-    }
+    });
 }
 
 template <typename T>
 void values(const Shape* s, const float* probs, const T* v, const int64_t* tables, const int64_t* contexts, float* out) {
     const int64_t heads = s->kv_heads * s->group;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < s->decodes; ++i) {
+    each_sequence(s, [&](int64_t i) {
         values_of(Sequence<T>(*s, v, tables, contexts, i), probs + i * heads * s->width, out + i * heads * s->head_dim);
-    }
+    });
 }
 
 }  // namespace

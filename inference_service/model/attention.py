@@ -79,7 +79,7 @@ class SdpaPath:
             decode_blocks=_long(
                 [c.block_table + c.block_table[:1] * (width - len(c.block_table)) for c in decodes],
                 device,
-            ).view(len(decodes), width),
+            ),
             decode_contexts=_long([c.cached + 1 for c in decodes], device),
             sliding_window=window,
             decode_kernel=decode_kernel,

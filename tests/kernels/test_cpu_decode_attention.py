@@ -100,3 +100,24 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     kernel, why = CpuDecodeAttention.load(tmp_path / "kernels")
     assert kernel is None and "failed to build" in why and "no such flag" in why
+
+
+def test_a_build_that_fails_halfway_leaves_no_library_to_load(monkeypatch, tmp_path):
+    """Processes may build at once and a compiler may die mid-write: a library appears whole or not at all."""
+    compiler = tmp_path / "bin" / "c++"
+    compiler.parent.mkdir()
+    compiler.write_text(
+        '#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && echo half > "$2"; shift; done\nexit 1\n'
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PATH", str(compiler.parent))
+    folder = tmp_path / "kernels"
+    kernel, why = CpuDecodeAttention.load(folder)
+    assert kernel is None and "failed to build" in why
+    assert list(folder.rglob("*.so")) == []
+
+
+def test_tables_of_another_dtype_are_refused(kernel):
+    q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.float32)
+    with pytest.raises(AssertionError):
+        kernel(q, k_cache, v_cache, tables.int(), contexts, 0.25, None)
