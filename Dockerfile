@@ -47,7 +47,7 @@ print(prepare_default_model(Path('/opt/loramux/cache')))"
 FROM deps
 
 # tcmalloc for the CPU's workers (shared/tcmalloc.py): decode steps spend far less time allocating;
-# g++ builds the CPU decode attention kernel at a worker's start (kernels/cpu_decode_attention.py).
+# g++ builds the CPU kernels (decode attention, LoRA) at a worker's start (kernels/cpu_library.py).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libtcmalloc-minimal4 g++ \
  && rm -rf /var/lib/apt/lists/*

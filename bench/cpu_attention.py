@@ -9,6 +9,7 @@ seconds the engine takes to prefill the requests' prompts. 32 requests on the de
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 from bench.cache import default_model_dir
 from bench.engine_overhead import REQUESTS, prompt_ids
@@ -31,19 +32,20 @@ def prefill_seconds(engine: Engine, prompt: int) -> float:
 
 def decode_steps(engine: Engine, prompt: int, rounds: int) -> dict[str, float]:
     """Median decode step seconds per path, over rounds that alternate which path goes first."""
-    kernel = engine.runner.decode_attention
+    kernels = engine.runner.cpu_kernels
     start_decoding(engine, [None] * REQUESTS, prompt, 2 * rounds * STEPS + 2)
     steps: dict[str, list[float]] = {path: [] for path in PATHS}
     for round_ in range(rounds):
         for path in PATHS[:: 1 if round_ % 2 == 0 else -1]:
-            engine.runner.decode_attention = kernel if path == "in place" else None
+            gathered = replace(kernels, decode_attention=None)
+            engine.runner.cpu_kernels = kernels if path == "in place" else gathered
             times = []
             for _ in range(STEPS):
                 start = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - start)
             steps[path].append(statistics.median(times))
-    engine.runner.decode_attention = kernel
+    engine.runner.cpu_kernels = kernels
     while engine.has_work:
         engine.step()
     return {path: statistics.median(times) for path, times in steps.items()}
@@ -62,7 +64,7 @@ def main() -> None:
         for prompt in args.prompts:
             max_len = prompt + 2 * args.rounds * STEPS + 8
             engine = loramux_engine(default_model_dir(), dtype, REQUESTS, max_len, [])
-            if engine.runner.decode_attention is None:
+            if engine.runner.cpu_kernels.decode_attention is None:
                 raise SystemExit("no CPU decode kernel here (the worker's log says why): nothing to compare")
             prefill = statistics.median(prefill_seconds(engine, prompt) for _ in range(3))
             step = decode_steps(engine, prompt, args.rounds)

@@ -4,24 +4,18 @@ V in place in the paged cache (kernels/cpu_decode_attention.cpp).
 Torch ships no CPU attention that reads a paged cache, and gathering every sequence's blocks into
 one padded tensor for SDPA copies each K and V once more per layer before SDPA reads them again:
 at 512-token contexts the gather and SDPA were half of an fp32 decode step. The C++ source is
-compiled once per machine (it is a few hundred lines: about a second) for the CPU it runs on and
-loaded with ctypes; where no compiler is found, `CpuDecodeAttention.load` says why and returns None,
-and attention gathers as before.
+compiled once per machine (kernels/cpu_library.py); where it cannot be, `CpuDecodeAttention.load`
+says why and returns None, and attention gathers as before.
 """
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_library import load_cpu_library
+
 SOURCE = Path(__file__).with_suffix(".cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -40,20 +34,10 @@ class CpuDecodeAttention:
 
     @classmethod
     def load(cls, directory: Path | None = None) -> "tuple[CpuDecodeAttention | None, str]":
-        """The kernels, built into `directory` (default: a per-user folder under the system's
-        temporary one) unless this machine's build is there; (None, why) where they cannot be."""
-        compiler = shutil.which("c++") or shutil.which("g++")
-        if compiler is None:
-            return None, "no C++ compiler (c++ or g++) on PATH"
-        directory = directory or Path(tempfile.gettempdir()) / f"loramux-kernels-{os.getuid()}"
-        library = directory / f"cpu_decode_attention-{_build_key(compiler)}.so"
-        try:
-            error = "" if library.exists() else _build(compiler, library)
-            if error:
-                return None, error
-            return cls(ctypes.CDLL(str(library))), f"built with {compiler} at {library}"
-        except OSError as e:  # a folder not writable, a library not loadable (noexec)
-            return None, f"cannot build or load {library}: {e}"
+        """The kernels, built into `directory` (load_cpu_library's default: a per-user folder)
+        unless this machine's build is there; (None, why) where they cannot be."""
+        library, why = load_cpu_library(SOURCE, directory)
+        return (cls(library) if library else None), why
 
     def __call__(
         self,
@@ -96,35 +80,6 @@ class CpuDecodeAttention:
     def _run(self, function: str, shape: _Shape, *tensors: torch.Tensor) -> None:
         pointers = (ctypes.c_void_p(t.data_ptr()) for t in tensors)
         getattr(self._library, function)(ctypes.byref(shape), *pointers)
-
-
-def _build_key(compiler: str) -> str:
-    """Names the build of this source, by these flags, for this CPU (-march=native)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_signature())).encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_signature() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return platform.processor()
-    lines = cpuinfo.read_text().splitlines()
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-def _build(compiler: str, library: Path) -> str:
-    """Compiles SOURCE into `library`, atomically (processes may build it at once); '' or why not."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        partial = Path(scratch) / library.name
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            return f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}"
-        os.replace(partial, library)
-    return ""
 
 
 def cpu_decode_attention_ref(

@@ -19,8 +19,12 @@ the other targets. Every layer uses the same unit offsets.
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.cpu_lora import CpuLora, CpuLoraStep
 
 PAGE_RANK = 8  # rank rows per page
 TILE_ROWS = 16  # tokens per Triton program: the smallest M tl.dot takes
@@ -162,12 +166,16 @@ class LoraBatch:
     the CPU, `rows[t]` is target t's batched work, one PageChunks per page count among the
     step's adapters, and one per long run of one adapter's tokens (None: no token's adapter
     targets t, and the target costs nothing); on the Triton kernels' path (`kernels`, by
-    default on CUDA) `table` holds the step (None: no token uses an adapter).
+    default on CUDA) `table` holds the step (None: no token uses an adapter). On the CPU with
+    the compiled kernels (`cpu_lora`), `table` holds the tokens outside runs of RUN_ROWS of one
+    adapter (decodes: read page by page, in one call a layer's module), and `rows` the long runs
+    (prefill chunks: batched matmuls over one adapter's many tokens are faster there).
     """
 
     rows: tuple[tuple[PageChunks, ...] | None, ...] | None
     table: SegmentTable | None
     step: "StepAdapters | None" = None  # what it was built from, for an MoE layer's pairs
+    cpu_lora: "CpuLoraStep | None" = None  # runs `table` on the CPU (None: the Triton kernels do)
 
     @classmethod
     def build(
@@ -176,24 +184,31 @@ class LoraBatch:
         adapters: Mapping[int, AdapterPages],
         device: torch.device | str = "cpu",
         kernels: bool | None = None,
+        cpu_lora: "CpuLora | None" = None,
     ) -> "LoraBatch":
-        """kernels: take the Triton kernels' path (default: on CUDA) rather than the torch one."""
+        """kernels: take the Triton kernels' path (default: on CUDA) rather than the torch one;
+        off it, cpu_lora (if given) runs the step's table."""
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
+        cpu_lora = None if kernels else cpu_lora
         groups: dict[int, list[int]] = {}  # adapter -> its tokens, in order
         for token, slot in enumerate(token_slots):
             if slot >= 0:
                 groups.setdefault(slot, []).append(token)
-        step = StepAdapters(token_slots, frozenset(groups), adapters, device, kernels)
+        step = StepAdapters(token_slots, frozenset(groups), adapters, device, kernels, cpu_lora)
         if kernels:
-            max_pages = max((len(p) for s in groups for p in adapters[s].pages), default=0)
-            return cls(
-                None, SegmentTable.build(groups, adapters, max_pages, device) if groups else None, step
-            )
-        targets = len(next(iter(adapters.values())).ranks) if adapters else 0
+            return cls(None, _table(groups, adapters, device), step)
         runs = {slot: _consecutive(toks) for slot, toks in groups.items()}  # the same on every target
+        table = cpu_step = None
+        if cpu_lora:  # the compiled kernels take every token but those of long runs
+            short = {slot: [t for run in rs if len(run) < RUN_ROWS for t in run] for slot, rs in runs.items()}
+            table = _table({slot: toks for slot, toks in short.items() if toks}, adapters, device)
+            cpu_step = cpu_lora.step(table) if table else None
+            long = {slot: [run for run in rs if len(run) >= RUN_ROWS] for slot, rs in runs.items()}
+            runs = {slot: rs for slot, rs in long.items() if rs}
+        targets = len(next(iter(adapters.values())).ranks) if adapters else 0
         rows = tuple(_page_rows(runs, adapters, t, len(token_slots), device) for t in range(targets))
-        return cls(rows, None, step)
+        return cls(rows, table, step, cpu_step)
 
     def for_experts(
         self, pair_tokens: list[int], pair_experts: list[int], shifts: tuple[int, ...]
@@ -214,7 +229,7 @@ class LoraBatch:
         adapters = {
             handle: self.step.of_expert(slot, expert, shifts) for (slot, expert), handle in experts_of.items()
         }
-        return LoraBatch.build(slots, adapters, self.step.device, self.step.kernels)
+        return LoraBatch.build(slots, adapters, self.step.device, self.step.kernels, self.step.cpu_lora)
 
 
 @dataclass(frozen=True)
@@ -226,6 +241,7 @@ class StepAdapters:
     adapters: Mapping[int, AdapterPages]
     device: torch.device | str
     kernels: bool
+    cpu_lora: "CpuLora | None"
     experts: dict = field(default_factory=dict)  # (slot, expert) -> its pages: the same in every layer
 
     def of_expert(self, slot: int, expert: int, shifts: tuple[int, ...]) -> AdapterPages:
@@ -269,6 +285,14 @@ def _runs_then_chunks(
         if left:
             rest.append((left, pages))
     return alone + ([_chunks(rest, tokens, device)] if rest else [])
+
+
+def _table(groups: dict[int, list[int]], adapters: Mapping[int, AdapterPages], device) -> SegmentTable | None:
+    """The segment table of `groups` (adapter -> its tokens), None when there are none."""
+    if not groups:
+        return None
+    max_pages = max(len(p) for slot in groups for p in adapters[slot].pages)
+    return SegmentTable.build(groups, adapters, max_pages, device)
 
 
 def _consecutive(toks: list[int]) -> list[list[int]]:

@@ -27,7 +27,7 @@ from inference_service.model.model import LlamaModel, model_bytes
 from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.vocab_batch import VocabPages
 from inference_service.model.weights import load_weights
-from kernels.cpu_decode_attention import CpuDecodeAttention
+from kernels.cpu_kernels import CpuKernels
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import ModelConfig
 from shared.nonfinite import finite_rows
@@ -80,7 +80,7 @@ class ModelRunner:
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
-        self.decode_attention = _cpu_decode_attention() if self.device.type == "cpu" else None
+        self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" else CpuKernels()
         self.ranks = (RankReport(self.parallel.shard.rank, **self.memory_report()),)  # the others: start
         self.graphs = None
         # An MoE step's expert tiles depend on its routing (read on the host): no graph replays
@@ -243,7 +243,7 @@ class ModelRunner:
             kernels,
             self._vocab,
             self.parallel.shard.vocab(self.model_config.vocab_size),
-            self.decode_attention,
+            self.cpu_kernels,
         )
         return self.model(batch, self.cache)
 
@@ -292,12 +292,12 @@ class ModelRunner:
         self.cache.zero_blocks(blocks)
 
 
-def _cpu_decode_attention() -> CpuDecodeAttention | None:
-    """The compiled kernel that decodes reading the KV cache in place, or None (and why, logged):
-    then decodes gather their blocks for SDPA."""
-    kernel, how = CpuDecodeAttention.load()
-    log.info("CPU decode attention: %s", how if kernel else f"gathering blocks for SDPA ({how})")
-    return kernel
+def _cpu_kernels() -> CpuKernels:
+    """The compiled CPU kernels, each where it could be built (how, logged): where one could not,
+    its torch path runs."""
+    kernels, how = CpuKernels.load()
+    log.info("CPU kernels: %s", how)
+    return kernels
 
 
 def _input(chunk: ScheduledChunk) -> SequenceInput:

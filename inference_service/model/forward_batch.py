@@ -7,7 +7,7 @@ import torch
 
 from inference_service.model.attention import AttentionMetadata, SequenceChunk
 from inference_service.model.vocab_batch import VocabBatch, VocabPages
-from kernels.cpu_decode_attention import CpuDecodeAttention
+from kernels.cpu_kernels import CpuKernels
 from kernels.lora_batch import AdapterPages, LoraBatch
 
 
@@ -45,13 +45,13 @@ class ForwardBatch:
         kernels: bool | None = None,
         vocab_adapters: Mapping[int, VocabPages] | None = None,
         vocab_range: tuple[int, int] = (0, 1 << 62),
-        decode_kernel: CpuDecodeAttention | None = None,
+        cpu: CpuKernels | None = None,
     ) -> "ForwardBatch":
         """adapters[s]: where the adapter of handle s lies in adapter memory (every handle the
         sequences use); vocab_adapters[s]: its vocabulary-side parts, if it has any, of the rows
         [start, stop) `vocab_range` of the vocabulary this rank holds. kernels: attention and
-        LoRA take the Triton kernels' path (default: on CUDA); off it, decode_kernel (if given)
-        decodes."""
+        LoRA take the Triton kernels' path (default: on CUDA); off it, the compiled `cpu` kernels
+        (those given) decode and run LoRA."""
         if kernels is None:
             kernels = torch.device(device).type == "cuda"
         chunks, token_ids, slots, start = [], [], [], 0
@@ -60,16 +60,20 @@ class ForwardBatch:
             token_ids += s.token_ids
             slots += [s.slot] * len(s.token_ids)
             start += len(s.token_ids)
+        cpu = cpu or CpuKernels()
         attention = AttentionMetadata.build(
-            chunks, block_size, sliding_window, device, kernels, decode_kernel
+            chunks, block_size, sliding_window, device, kernels, cpu.decode_attention
         )
         last_rows = [c.token_start + c.num_tokens - 1 for c in chunks]
         rows = list(range(start)) if all_logits else last_rows
+        lora = None
+        if any(slot >= 0 for slot in slots):
+            lora = LoraBatch.build(slots, adapters, device, kernels, cpu.lora)
         return cls(
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=attention.positions,
             attention=attention,
-            lora=LoraBatch.build(slots, adapters, device, kernels) if any(s >= 0 for s in slots) else None,
+            lora=lora,
             logit_rows=torch.arange(start, device=device)
             if all_logits
             else torch.tensor(last_rows, dtype=torch.int64, device=device),

@@ -5,56 +5,15 @@ every element of the pool outside the adapters' pages NaN, so a read of another 
 import pytest
 import torch
 
-from kernels.lora_batch import PAGE_RANK, RUN_ROWS, LoraBatch, page_views
+from kernels.lora_batch import RUN_ROWS, LoraBatch
 from kernels.lora_bmm import lora_bmm, lora_ref
-from tests.kernels.paged_adapters import RANKS, UNIT, paged_adapters
-from tests.kernels.rounding import assert_within, cast_error, fp32_error, gamma
+from tests.kernels.lora_checks import lora_bound, whole_pages
+from tests.kernels.paged_adapters import RANKS, UNIT
+from tests.kernels.rounding import assert_within
 from tests.kernels.slot_spread import SPREADS, token_slots
 
 DTYPES = [torch.float32, torch.bfloat16]
 SLICES = {"qkv": (0, (40, 16, 16)), "o": (3, (40,)), "gate_up": (4, (48, 48))}  # first target, sizes
-
-
-def _memory(first_target: int, in_features: int, sizes: tuple[int, ...], dtype: torch.dtype):
-    """paged_adapters with the rows past each rank in a last page zeroed, as ModelRunner leaves
-    them (lora_bmm reads whole pages); everything else outside the pages stays NaN."""
-    pool, adapters = paged_adapters(first_target, in_features, sizes, dtype)
-    for pages in adapters.values():
-        for s, size in enumerate(sizes):
-            rank, units = pages.ranks[first_target + s], pages.pages[first_target + s]
-            a, b = page_views(pool, UNIT, in_features, size)
-            if rank % PAGE_RANK:
-                a[units[-1], rank % PAGE_RANK :] = 0
-                b[units[-1], rank % PAGE_RANK :] = 0
-    return pool, adapters
-
-
-def _bound(y, x, pool, slots, adapters, target):
-    """How far lora_bmm may be from lora_ref on fp64 operands, in two stages, as lora_A's output
-    s_j = A_j x is cast to the dtype in between. Summed in fp32 (one product and at most
-    in - 1 additions a term, gamma_1 = gamma(in * fp32_error)) and cast (c = cast_error),
-    s_j is off by at most (1 + c)(gamma_1 m_j + c |s_j|), m_j = sum_i |A_ji x_i|. Then
-    y + sum_j s_j B_j, whose terms take at most rank - 1 additions, the cast of the sum, the
-    addition to y and the cast of the result, is off by gamma_2 (|y| + sum_j |s_j B_j|) more,
-    gamma_2 = gamma((rank + 1) * fp32_error + 2c), s_j being the computed ones, each within
-    its error of the exact one. With M1 = sum_j |B_j| m_j and M2 = sum_j |B_j s_j|, that is
-    (1 + gamma_2)(1 + c)(gamma_1 M1 + c M2) + gamma_2 (|y| + M2)."""
-    in_features, size = x.shape[1], y.shape[1]
-    c, fp32 = cast_error(x.dtype), fp32_error(x.device)
-    gamma_1 = gamma(in_features * fp32)
-    gamma_2 = gamma((max(map(max, RANKS)) + 1) * fp32 + 2 * c)
-    a, b = page_views(pool.double(), UNIT, in_features, size)
-    m1 = torch.zeros(y.shape, dtype=torch.float64)  # [tokens, size]
-    m2 = torch.zeros_like(m1)
-    for i, slot in enumerate(slots):
-        rank = adapters[slot].ranks[target] if slot >= 0 else 0
-        if rank:
-            pages = list(adapters[slot].pages[target])
-            a_rows = a[pages].reshape(-1, in_features)[:rank]  # [r, in]
-            b_rows = b[pages].reshape(-1, size)[:rank].abs()  # [r, size]
-            m1[i] = (a_rows.abs() @ x[i].double().abs()) @ b_rows
-            m2[i] = (a_rows @ x[i].double()).abs() @ b_rows
-    return (1 + gamma_2) * (1 + c) * (gamma_1 * m1 + c * m2) + gamma_2 * (y.double().abs() + m2)
 
 
 @pytest.mark.parametrize("spread", SPREADS)
@@ -66,7 +25,7 @@ def _bound(y, x, pool, slots, adapters, target):
 def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, grouped, dtype):
     first_target, sizes = SLICES[module]
     in_features = 24
-    pool, adapters = _memory(first_target, in_features, sizes, dtype)
+    pool, adapters = whole_pages(first_target, in_features, sizes, dtype)
     slots = token_slots(spread, tokens, len(RANKS), base_every, grouped=grouped, seed=tokens)
     batch = LoraBatch.build(slots, adapters)
     generator = torch.Generator().manual_seed(1)
@@ -81,7 +40,7 @@ def test_lora_bmm_matches_the_reference(spread, module, base_every, tokens, grou
         exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
         for work in batch.rows[target] or ():
             lora_bmm(out[:, columns], x_padded, pool, UNIT, work)
-        assert_within(out[:, columns], exact, _bound(y[:, columns], x, pool, slots, adapters, target))
+        assert_within(out[:, columns], exact, lora_bound(y[:, columns], x, pool, slots, adapters, target))
         offset += size
 
 
@@ -90,7 +49,7 @@ def test_long_prefill_runs_beside_decodes_match_the_reference(dtype):
     """A step as the engine mixes them: decodes of several adapters, one adapter's prefill chunk of
     RUN_ROWS + 5 tokens (read in place), another's cut short by a base-model token (padded)."""
     first_target, sizes = SLICES["gate_up"]
-    pool, adapters = _memory(first_target, 24, sizes, dtype)
+    pool, adapters = whole_pages(first_target, 24, sizes, dtype)
     slots = [1, 2, -1, *[0] * (RUN_ROWS + 5), 3, *[2] * (RUN_ROWS - 1), -1, 2, 1]
     batch = LoraBatch.build(slots, adapters)
     assert any(work.gather is None and work.rows == RUN_ROWS + 5 for work in batch.rows[first_target])
@@ -103,13 +62,13 @@ def test_long_prefill_runs_beside_decodes_match_the_reference(dtype):
         exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
         for work in batch.rows[target]:
             lora_bmm(out[:, columns], torch.cat([x, x.new_zeros(1, 24)]), pool, UNIT, work)
-        assert_within(out[:, columns], exact, _bound(y[:, columns], x, pool, slots, adapters, target))
+        assert_within(out[:, columns], exact, lora_bound(y[:, columns], x, pool, slots, adapters, target))
         offset += size
 
 
 def test_tokens_of_the_base_model_and_of_adapters_that_leave_a_target_are_untouched():
     first_target, sizes = SLICES["qkv"]
-    pool, adapters = _memory(first_target, 24, sizes, torch.float32)
+    pool, adapters = whole_pages(first_target, 24, sizes, torch.float32)
     slots = [-1, 1, 1, 3, -1]  # adapter 1 leaves k (rank 0), adapter 3 leaves q and k
     batch = LoraBatch.build(slots, adapters)
     assert batch.rows[first_target + 1] is None  # no token's adapter targets k: k costs nothing

@@ -11,6 +11,7 @@ from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
+from kernels.cpu_kernels import CpuKernels
 from shared.base_vocab import BaseVocab
 from shared.peft_checkpoint import load_peft_adapter
 from tests.conftest import TINY_ADAPTERS
@@ -111,14 +112,20 @@ def _runner(
     return runner, slots, memory
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("path", ["compiled", "torch", "triton"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, kernels, tiny_models, tiny_adapters):
-    """On the torch path, and on the Triton kernels' path (attention and LoRA; in the interpreter
-    here, compiled on a GPU)."""
+def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, path, tiny_models, tiny_adapters):
+    """On the CPU with the compiled kernels (decode attention and LoRA, as a CPU worker runs), on
+    the torch path a CPU without a compiler takes (blocks and pages gathered for SDPA and batched
+    matmuls), and on the Triton kernels' path (attention and LoRA; in the interpreter here,
+    compiled on a GPU)."""
     adapter_dirs = tiny_adapters[model_type]
     reference = Peft(tiny_models[model_type], adapter_dirs)
     runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
+    assert runner.cpu_kernels.lora is not None and runner.cpu_kernels.decode_attention is not None
+    if path == "torch":
+        runner.cpu_kernels = CpuKernels()
+    kernels = path == "triton"
     assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=1, kernels=kernels)
 
 

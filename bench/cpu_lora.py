@@ -1,0 +1,102 @@
+"""CPU LoRA side by side in one engine: decode steps of 32 requests over 8 distinct rank-16
+all-linear adapters with the compiled kernels that read adapter pages in place
+(kernels/cpu_lora.py) against the same steps with pages gathered for batched matmuls (the path
+without a compiler), and the base model's decode steps on the same engine: the three alternate in
+rounds. Then the seconds to prefill 8 prompts of 512 tokens, one per adapter, on each LoRA path.
+
+    .venv/bin/python -m bench.cpu_lora [--dtypes float32 bfloat16] [--rounds 4]
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.cache import default_model_dir
+from bench.engine_overhead import REQUESTS, prompt_ids
+from bench.peers import loramux_engine
+from bench.profile_decode import start_decoding
+from bench.random_adapter import write_random_adapter
+from inference_service.engine import Engine, Request
+from inference_service.sampling import SamplingParams
+from kernels.cpu_kernels import CpuKernels
+from shared.model_config import ModelConfig
+
+ADAPTERS, RANK, PROMPT, LONG_PROMPT = 8, 16, 32, 512
+STEPS = 8  # decode steps a round times, one at a time (the median is the round's)
+
+
+def decode_steps(engine: Engine, arms: dict[str, tuple[list[str | None], CpuKernels]], rounds: int) -> dict:
+    """Median decode step seconds per arm (adapters per request, kernels), rounds alternating order."""
+    steps: dict[str, list[float]] = {arm: [] for arm in arms}
+    for round_ in range(rounds):
+        for arm in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
+            adapters, engine.runner.cpu_kernels = arms[arm]
+            start_decoding(engine, adapters, PROMPT, STEPS + 2)
+            times = []
+            for _ in range(STEPS):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            while engine.has_work:
+                engine.step()
+            steps[arm].append(statistics.median(times))
+    return {arm: statistics.median(times) for arm, times in steps.items()}
+
+
+def prefill_seconds(engine: Engine, names: list[str], kernels: CpuKernels) -> float:
+    """Seconds to prefill one LONG_PROMPT-token prompt per adapter and draw each one token."""
+    engine.runner.cpu_kernels = kernels
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate([Request(prompt_ids(i, LONG_PROMPT), name, params) for i, name in enumerate(names)])
+    return time.perf_counter() - start
+
+
+def compare(model_dir: Path, dtype: str, folders: list[Path], rounds: int) -> str:
+    engine = loramux_engine(model_dir, dtype, REQUESTS, LONG_PROMPT + 8, folders)
+    kernels = engine.runner.cpu_kernels
+    if kernels.lora is None:
+        raise SystemExit("no CPU LoRA kernels here (the worker's log says why): nothing to compare")
+    gathered = replace(kernels, lora=None)
+    mixed = [folders[i % ADAPTERS].name for i in range(REQUESTS)]
+    arms = {"base": ([None] * REQUESTS, kernels), "kernels": (mixed, kernels), "gathered": (mixed, gathered)}
+    step = decode_steps(engine, arms, rounds)
+    names = [folder.name for folder in folders]
+    prefill = {
+        path: statistics.median(prefill_seconds(engine, names, k) for _ in range(3))
+        for path, k in (("kernels", kernels), ("gathered", gathered))
+    }
+    return (
+        f"{dtype:9s} {step['base'] * 1e3:7.2f}  {step['kernels'] * 1e3:10.2f}  {step['gathered'] * 1e3:11.2f}"
+        f"  {step['base'] / step['kernels']:15.3f}  {step['base'] / step['gathered']:16.3f}"
+        f"  {prefill['kernels']:13.2f}  {prefill['gathered']:14.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    model_dir = default_model_dir()
+    print(
+        "dtype     base ms  kernels ms  gathered ms  base/kernels  base/gathered"
+        "  prefill s (kernels)  (gathered)"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ModelConfig.from_dir(model_dir)
+        folders = [
+            write_random_adapter(model, Path(tmp) / f"r{RANK}-{i}", rank=RANK, seed=i + 1)
+            for i in range(ADAPTERS)
+        ]
+        for dtype in args.dtypes:
+            print(compare(model_dir, dtype, folders, args.rounds))
+
+
+if __name__ == "__main__":
+    main()

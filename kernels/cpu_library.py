@@ -1,0 +1,66 @@
+"""cpu_library: a kernel's C++ source compiled once per machine, for the CPU it runs on, and loaded
+with ctypes.
+
+Each source is a few hundred lines (about a second to build). The library is keyed by a hash of
+the source, the flags and the CPU's model and flags, and written atomically under a per-user
+folder of the system's temporary one, so processes that start at once share one build. Where
+there is no compiler, the folder cannot be written or the library cannot be loaded, the caller
+is told why and keeps its torch path.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def load_cpu_library(source: Path, directory: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """The library built from `source` into `directory` (default: a per-user folder under the
+    system's temporary one) unless this machine's build is there; (None, why) where it cannot be."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None, "no C++ compiler (c++ or g++) on PATH"
+    directory = directory or Path(tempfile.gettempdir()) / f"loramux-kernels-{os.getuid()}"
+    library = directory / f"{source.stem}-{_build_key(compiler, source)}.so"
+    try:
+        error = "" if library.exists() else _build(compiler, source, library)
+        if error:
+            return None, error
+        return ctypes.CDLL(str(library)), f"built with {compiler} at {library}"
+    except OSError as e:  # a folder not writable, a library not loadable (noexec)
+        return None, f"cannot build or load {library}: {e}"
+
+
+def _build_key(compiler: str, source: Path) -> str:
+    """Names the build of this source, by these flags, for this CPU (-march=native)."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_signature())).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_signature() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return platform.processor()
+    lines = cpuinfo.read_text().splitlines()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _build(compiler: str, source: Path, library: Path) -> str:
+    """Compiles `source` into `library`, atomically (processes may build it at once); '' or why not."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        partial = Path(scratch) / library.name
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), str(source)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            return f"{compiler} failed to build {source.name}: {done.stderr.strip()[-2000:]}"
+        os.replace(partial, library)
+    return ""

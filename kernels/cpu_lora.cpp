@@ -1,0 +1,288 @@
+// LoRA shrink and expand on the CPU, reading the adapters' pages in place in adapter memory;
+// built, loaded and documented by kernels/cpu_lora.py. The semantics are those of the Triton pair
+// (kernels/lora_shrink.py, kernels/lora_expand.py) on one step's segment table: shrink writes each
+// LoRA token's fp32 sums A x, expand adds B times them (rounded to the pool's dtype first, as PEFT's
+// lora_A output is) into y. Products and sums are fp32 whatever the dtype.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPageRank = 8;  // kernels/lora_batch.py's PAGE_RANK
+constexpr int64_t kMaxSlices = 3;  // q/k/v
+constexpr int kTile = 4;  // tokens (and shrink's rank rows) per register tile
+constexpr int64_t kTaskTokens = 32;  // a long segment (a prefill chunk) is cut into tasks of these
+
+// One call's shapes, and the step's segment table (SegmentTable: int32, contiguous).
+struct Lora {
+    int64_t segments, max_pages, first_target, slices, in_features, unit, x_stride, y_stride, lanes, gathered;
+    int64_t offsets[kMaxSlices], sizes[kMaxSlices];
+    const int32_t *tokens, *starts, *lengths, *ranks, *pages;  // ranks [targets, segments]; pages [.., max_pages]
+};
+
+// Sixteen floats in one vector register (two on AVX2); GCC emits the ISA -march=native allows.
+typedef float Vec __attribute__((vector_size(64)));
+typedef uint32_t Bits __attribute__((vector_size(64)));
+typedef uint16_t Half16 __attribute__((vector_size(32)));
+typedef _Float16 Fp16x16 __attribute__((vector_size(32)));
+constexpr int64_t kVec = 16;
+
+inline float widen(float x) { return x; }
+inline float widen(_Float16 x) { return static_cast<float>(x); }
+inline float widen(uint16_t bf16) {  // bfloat16: the high half of a float
+    return __builtin_bit_cast(float, static_cast<uint32_t>(bf16) << 16);
+}
+
+template <typename V, typename T>
+inline V load_as(const T* x) {
+    V v;
+    std::memcpy(&v, x, sizeof v);
+    return v;
+}
+
+inline Vec load(const float* x) { return load_as<Vec>(x); }
+inline Vec load(const _Float16* x) { return __builtin_convertvector(load_as<Fp16x16>(x), Vec); }
+inline Vec load(const uint16_t* x) {
+    const Bits bits = __builtin_convertvector(load_as<Half16>(x), Bits) << 16;
+    return load_as<Vec>(&bits);
+}
+
+// bfloat16 bits of x, rounded to nearest even as torch rounds (a NaN stays a quiet NaN).
+inline Bits bf16_bits(Vec x) {
+    const Bits u = load_as<Bits>(&x);
+    const Bits rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return ((u & 0x7fffffffu) > 0x7f800000u) ? ((u >> 16) | 0x40u) : rounded;
+}
+
+// x rounded to T, as a vector of floats again.
+template <typename T>
+inline Vec rounded(Vec x) {
+    if constexpr (std::is_same_v<T, float>) {
+        return x;
+    } else if constexpr (std::is_same_v<T, _Float16>) {
+        return __builtin_convertvector(__builtin_convertvector(x, Fp16x16), Vec);
+    } else {
+        const Bits bits = bf16_bits(x) << 16;
+        return load_as<Vec>(&bits);
+    }
+}
+
+template <typename T>
+inline void store(T* y, Vec x) {
+    if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(y, &x, sizeof x);
+    } else if constexpr (std::is_same_v<T, _Float16>) {
+        const Fp16x16 h = __builtin_convertvector(x, Fp16x16);
+        std::memcpy(y, &h, sizeof h);
+    } else {
+        const Half16 h = __builtin_convertvector(bf16_bits(x), Half16);
+        std::memcpy(y, &h, sizeof h);
+    }
+}
+
+template <typename T>
+inline T narrow(float x) {  // one element, as rounded<T> and store<T> round sixteen
+    Vec v = {};
+    v[0] = x;
+    T out[kVec];
+    store(out, v);
+    return out[0];
+}
+
+inline float lane_sum(Vec v) {  // halves added pairwise: four shuffles, not sixteen extractions
+    typedef float Vec8 __attribute__((vector_size(32)));
+    typedef float Vec4 __attribute__((vector_size(16)));
+    const Vec8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+// out[t][r] = xs[t] . as[r] over n elements, for a tile of kTile tokens and kTile rank rows: each
+// row of A read once for the tile's tokens, sixteen independent sums in registers.
+template <typename T>
+void dot_tile(const T* const* xs, const T* const* as, int64_t n, float out[kTile][kTile]) {
+    Vec acc[kTile][kTile] = {};
+    int64_t k = 0;
+    for (; k + kVec <= n; k += kVec) {
+        Vec xv[kTile], av[kTile];
+        if (k % (64 / sizeof(T)) == 0) {  // a line of the next tile's rows (the next page's B^T after the last)
+            for (int r = 0; r < kTile; ++r) __builtin_prefetch(as[r] + k + kTile * n);
+        }
+        for (int t = 0; t < kTile; ++t) xv[t] = load(xs[t] + k);
+        for (int r = 0; r < kTile; ++r) av[r] = load(as[r] + k);
+        for (int t = 0; t < kTile; ++t) {
+            for (int r = 0; r < kTile; ++r) acc[t][r] += xv[t] * av[r];
+        }
+    }
+    for (int t = 0; t < kTile; ++t) {
+        for (int r = 0; r < kTile; ++r) {
+            float sum = lane_sum(acc[t][r]);
+            for (int64_t j = k; j < n; ++j) sum += widen(xs[t][j]) * widen(as[r][j]);
+            out[t][r] = sum;
+        }
+    }
+}
+
+// A task: the tokens [first, last) of one segment (rows of its run in the table) on one slice.
+struct Task {
+    int64_t segment, first, last, slice;
+};
+
+std::vector<Task> tasks_of(const Lora& a) {
+    std::vector<Task> tasks;
+    for (int64_t seg = 0; seg < a.segments; ++seg) {
+        for (int64_t first = 0; first < a.lengths[seg]; first += kTaskTokens) {
+            for (int64_t s = 0; s < a.slices; ++s) {
+                tasks.push_back({seg, first, std::min<int64_t>(a.lengths[seg], first + kTaskTokens), s});
+            }
+        }
+    }
+    return tasks;
+}
+
+template <typename Work>
+void each_task(const Lora& a, Work work) {
+    const std::vector<Task> tasks = tasks_of(a);
+    const int64_t n = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+    for (int64_t i = 0; i < n; ++i) work(tasks[i]);
+}
+
+// What a task reads of its segment on its slice's target.
+template <typename T>
+struct Pages {
+    const Lora& a;
+    const T* pool;
+    int64_t target, rank;
+    const int32_t* units;  // [max_pages] the first unit of each page, rank order
+
+    Pages(const Lora& lora, const T* pool_, const Task& task)
+        : a(lora), pool(pool_), target(lora.first_target + task.slice),
+          rank(lora.ranks[target * lora.segments + task.segment]),
+          units(lora.pages + (target * lora.segments + task.segment) * lora.max_pages) {}
+
+    const T* page(int64_t j) const { return pool + static_cast<int64_t>(units[j / kPageRank]) * a.unit; }
+    const T* a_row(int64_t j) const { return page(j) + (j % kPageRank) * a.in_features; }
+    // B^T row of rank row j read by the shrink of tensor-parallel rank `held` (0 unless gathered)
+    const T* b_row(int64_t held, int64_t j, int64_t size) const {
+        return page(j) + kPageRank * a.in_features + (held * kPageRank + j % kPageRank) * size;
+    }
+};
+
+// The task's shrinks: out(i) [lanes] for its i-th token (i in [first, last)), lanes past the rank
+// 0 as the Triton kernel's.
+template <typename T, typename Out>
+void shrink_task(const Lora& a, const Task& task, const T* x, const Pages<T>& p, Out out) {
+    const int32_t* tokens = a.tokens + a.starts[task.segment];
+    for (int64_t i0 = task.first; i0 < task.last; i0 += kTile) {
+        const int64_t n_tok = std::min<int64_t>(kTile, task.last - i0);
+        const T* xs[kTile];  // a tile past the task's tokens repeats its last one, its sums unused
+        for (int t = 0; t < kTile; ++t) xs[t] = x + tokens[i0 + std::min<int64_t>(t, n_tok - 1)] * a.x_stride;
+        for (int64_t t = 0; t < n_tok; ++t) std::fill(out(i0 + t) + p.rank, out(i0 + t) + a.lanes, 0.0f);
+        for (int64_t j0 = 0; j0 < p.rank; j0 += kTile) {
+            const int64_t n_rows = std::min<int64_t>(kTile, p.rank - j0);
+            const T* as[kTile];
+            for (int r = 0; r < kTile; ++r) as[r] = p.a_row(j0 + std::min<int64_t>(r, n_rows - 1));
+            float sums[kTile][kTile];
+            dot_tile(xs, as, a.in_features, sums);
+            for (int64_t t = 0; t < n_tok; ++t) std::copy(sums[t], sums[t] + n_rows, out(i0 + t) + j0);
+        }
+    }
+}
+
+// y's slice columns of the task's tokens += their shrinks in(i) [gathered * lanes] times B.
+template <typename T, typename In>
+void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T* y) {
+    if (p.rank == 0) return;
+    const int32_t* tokens = a.tokens + a.starts[task.segment];
+    const int64_t size = a.sizes[task.slice], lanes = a.gathered * p.rank;
+    std::vector<const T*> b_rows(lanes);
+    for (int64_t held = 0; held < a.gathered; ++held) {
+        for (int64_t j = 0; j < p.rank; ++j) b_rows[held * p.rank + j] = p.b_row(held, j, size);
+    }
+    std::vector<float> buf(kTile * lanes);  // the tile's shrinks, rounded to the pool's dtype
+    for (int64_t i0 = task.first; i0 < task.last; i0 += kTile) {
+        const int64_t n_tok = std::min<int64_t>(kTile, task.last - i0);
+        T* ys[kTile];
+        for (int t = 0; t < kTile; ++t) {
+            const int64_t i = i0 + std::min<int64_t>(t, n_tok - 1);
+            ys[t] = y + tokens[i] * a.y_stride + a.offsets[task.slice];
+            const float* in = in_of(i);
+            for (int64_t held = 0; held < a.gathered; ++held) {
+                for (int64_t j = 0; j < p.rank; ++j) {
+                    buf[t * lanes + held * p.rank + j] = widen(narrow<T>(in[held * a.lanes + j]));
+                }
+            }
+        }
+        int64_t c = 0;
+        for (; c + kVec <= size; c += kVec) {
+            Vec acc[kTile] = {};
+            for (int64_t l = 0; l < lanes; ++l) {
+                if (c % (64 / sizeof(T)) == 0) __builtin_prefetch(b_rows[l] + c + 4 * kVec);
+                const Vec b = load(b_rows[l] + c);
+                for (int t = 0; t < kTile; ++t) acc[t] += buf[t * lanes + l] * b;
+            }
+            for (int64_t t = 0; t < n_tok; ++t) store(ys[t] + c, rounded<T>(load(ys[t] + c) + rounded<T>(acc[t])));
+        }
+        for (; c < size; ++c) {
+            for (int64_t t = 0; t < n_tok; ++t) {
+                float sum = 0.0f;
+                for (int64_t l = 0; l < lanes; ++l) sum += buf[t * lanes + l] * widen(b_rows[l][c]);
+                ys[t][c] = narrow<T>(widen(ys[t][c]) + widen(narrow<T>(sum)));
+            }
+        }
+    }
+}
+
+// partials [tokens, slices, gathered * lanes]: a task's row of its i-th token.
+inline float* partials_row(const Lora& a, const Task& task, float* partials, int64_t i) {
+    const int64_t token = a.tokens[a.starts[task.segment] + i];
+    return partials + (token * a.slices + task.slice) * a.gathered * a.lanes;
+}
+
+template <typename T>
+void shrink(const Lora& a, const T* x, const T* pool, float* partials) {
+    each_task(a, [&](const Task& task) {
+        shrink_task(a, task, x, Pages<T>(a, pool, task), [&](int64_t i) { return partials_row(a, task, partials, i); });
+    });
+}
+
+template <typename T>
+void expand(const Lora& a, float* partials, const T* pool, T* y) {
+    each_task(a, [&](const Task& task) {
+        expand_task(a, task, [&](int64_t i) { return partials_row(a, task, partials, i); }, Pages<T>(a, pool, task), y);
+    });
+}
+
+// Both in one pass, a task's shrinks kept for its own expand (no tensor-parallel exchange between).
+template <typename T>
+void shrink_expand(const Lora& a, const T* x, const T* pool, T* y) {
+    each_task(a, [&](const Task& task) {
+        const Pages<T> p(a, pool, task);
+        std::vector<float> shrunk(kTaskTokens * a.lanes);
+        auto row = [&](int64_t i) { return shrunk.data() + (i - task.first) * a.lanes; };
+        shrink_task(a, task, x, p, row);
+        expand_task(a, task, row, p, y);
+    });
+}
+
+}  // namespace
+
+#define EXPORT(NAME, T)                                                                               \
+    extern "C" void lora_shrink_##NAME(const Lora* a, const T* x, const T* pool, float* partials) {    \
+        shrink<T>(*a, x, pool, partials);                                                             \
+    }                                                                                                 \
+    extern "C" void lora_expand_##NAME(const Lora* a, float* partials, const T* pool, T* y) {          \
+        expand<T>(*a, partials, pool, y);                                                             \
+    }                                                                                                 \
+    extern "C" void lora_shrink_expand_##NAME(const Lora* a, const T* x, const T* pool, T* y) {        \
+        shrink_expand<T>(*a, x, pool, y);                                                             \
+    }
+
+EXPORT(float32, float)
+EXPORT(bfloat16, uint16_t)
+EXPORT(float16, _Float16)

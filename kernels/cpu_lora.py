@@ -1,0 +1,153 @@
+"""cpu_lora: LoRA shrink and expand on the CPU over one step's segment table, reading each adapter's
+pages in place in adapter memory (kernels/cpu_lora.cpp).
+
+The torch path (lora_bmm) gathers each chunk's A and B rows into new tensors with index_select
+before its two batched matmuls: every adapter byte is read, written and read again, in seven
+targets' worth of small torch calls per layer. At decode, where each adapter has a few tokens,
+that was a third of a mixed-adapter step. These kernels read each page once per tile of tokens.
+The C++ source is compiled once per machine (kernels/cpu_library.py); where it cannot be,
+`CpuLora.load` says why and returns None, and LoRA takes the torch path.
+"""
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_library import load_cpu_library
+from kernels.lora_batch import SegmentTable
+from kernels.lora_expand import MAX_SLICES
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+_SIZES = (
+    "segments", "max_pages", "first_target", "slices", "in_features", "unit", "x_stride", "y_stride",
+    "lanes", "gathered",
+)  # fmt: skip
+_TABLE = ("tokens", "starts", "lengths", "ranks", "pages")
+
+
+class _Lora(ctypes.Structure):  # Lora in the source
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in _SIZES),
+        ("offsets", ctypes.c_int64 * MAX_SLICES),
+        ("sizes", ctypes.c_int64 * MAX_SLICES),
+        *((name, ctypes.c_void_p) for name in _TABLE),
+    ]
+
+
+class CpuLora:
+    """The compiled kernels of one process."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = {
+            (name, dtype): getattr(library, f"lora_{name}_{suffix}")
+            for name in ("shrink", "expand", "shrink_expand")
+            for dtype, suffix in NAMES.items()
+        }
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> "tuple[CpuLora | None, str]":
+        """The kernels, built into `directory` (load_cpu_library's default: a per-user folder)
+        unless this machine's build is there; (None, why) where they cannot be."""
+        library, why = load_cpu_library(SOURCE, directory)
+        return (cls(library) if library else None), why
+
+    def step(self, table: SegmentTable) -> "CpuLoraStep":
+        """The kernels on one step's segments (`table`: int32, on the CPU)."""
+        assert table.ranks.dtype == table.pages.dtype == torch.int32 and table.pages.is_contiguous()
+        return CpuLoraStep(self._functions, table)
+
+
+class CpuLoraStep:
+    """The kernels on one step's segment table, in parallel over (segment, tokens of it, slice).
+    The arguments of each call shape (a layer's qkv, o, gate/up, down) are built once a step and
+    reused by every layer."""
+
+    def __init__(self, functions: dict, table: SegmentTable):
+        self._functions, self.table = functions, table
+        self._shapes: dict[tuple, _Lora] = {}
+
+    def shrink(
+        self, x: torch.Tensor, pool: torch.Tensor, first_target: int, slices: int, unit: int
+    ) -> torch.Tensor:
+        """lora_shrink_triton's semantics, in one split: fp32 partials [1, tokens, slices,
+        table.max_rank]. x: [tokens, in] rows contiguous; pool: one layer's [units*unit]. Rows of
+        base-model tokens are not written."""
+        tokens, in_features = x.shape
+        partials = torch.empty(1, tokens, slices, self.table.max_rank)  # [1, tokens, slices, max_rank]
+        assert pool.dtype == x.dtype
+        shape = self._shape(first_target, (0,) * slices, in_features, unit, x.stride(0), 0, 1)
+        self._run("shrink", x.dtype, shape, x, pool, partials)
+        return partials
+
+    def expand(
+        self,
+        y: torch.Tensor,
+        partials: torch.Tensor,
+        pool: torch.Tensor,
+        first_target: int,
+        slice_sizes: tuple[int, ...],
+        in_features: int,
+        unit: int,
+        gathered: int = 1,
+    ) -> torch.Tensor:
+        """lora_expand_triton's semantics for partials of one split, but for one rounding more,
+        PEFT's: the sum of B times a token's shrinks is rounded to y's dtype before it is added
+        (lora_B's output is, in PEFT), then the sum is. y [tokens, sum(slice_sizes)] is updated in
+        place and returned; each (token, column) has one owner."""
+        splits, _, slices, lanes = partials.shape
+        assert splits == 1 and slices == len(slice_sizes) and lanes == gathered * self.table.max_rank
+        assert partials.is_contiguous() and partials.dtype == torch.float32 and pool.dtype == y.dtype
+        shape = self._shape(first_target, slice_sizes, in_features, unit, 0, y.stride(0), gathered)
+        self._run("expand", y.dtype, shape, partials, pool, y)
+        return y
+
+    def shrink_expand(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        pool: torch.Tensor,
+        first_target: int,
+        slice_sizes: tuple[int, ...],
+        unit: int,
+    ) -> torch.Tensor:
+        """expand(y, shrink(x, ...), ...) in one pass: each task keeps its tokens' shrinks for its
+        own expand (where no tensor-parallel exchange comes between)."""
+        assert x.dtype == pool.dtype == y.dtype
+        shape = self._shape(first_target, slice_sizes, x.shape[1], unit, x.stride(0), y.stride(0), 1)
+        self._run("shrink_expand", y.dtype, shape, x, pool, y)
+        return y
+
+    def _shape(self, first_target, slice_sizes, in_features, unit, x_stride, y_stride, gathered) -> _Lora:
+        key = (first_target, slice_sizes, in_features, unit, x_stride, y_stride, gathered)
+        if key not in self._shapes:
+            self._shapes[key] = _lora(self.table, *key)
+        return self._shapes[key]
+
+    def _run(self, function: str, dtype: torch.dtype, shape: _Lora, *tensors: torch.Tensor) -> None:
+        assert all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in tensors)
+        self._functions[function, dtype](ctypes.byref(shape), *pointers)
+
+
+def _lora(
+    table: SegmentTable,
+    first_target: int,
+    slice_sizes: tuple[int, ...],
+    in_features: int,
+    unit: int,
+    x_stride: int,
+    y_stride: int,
+    gathered: int,
+) -> _Lora:
+    assert len(slice_sizes) <= MAX_SLICES
+    padded = (*slice_sizes, *(0,) * (MAX_SLICES - len(slice_sizes)))
+    offsets = [sum(padded[:s]) for s in range(MAX_SLICES)]
+    return _Lora(
+        table.lengths.numel(), table.pages.shape[2], first_target, len(slice_sizes), in_features, unit,
+        x_stride, y_stride, table.max_rank, gathered,
+        (ctypes.c_int64 * MAX_SLICES)(*offsets), (ctypes.c_int64 * MAX_SLICES)(*padded),
+        *(getattr(table, name).data_ptr() for name in _TABLE),
+    )  # fmt: skip

@@ -1,0 +1,129 @@
+"""The CPU LoRA kernels on paged adapter memory against the plain loop references, on the cases the
+Triton pair is checked on (tests/kernels/lora_checks.py): the pool holds NaN wherever a kernel
+must not read, so a stray read fails the comparison. Widths that are not a multiple of the
+vector's sixteen lanes, and segments longer than one task's tokens, are among them."""
+
+import pytest
+import torch
+
+from inference_service.model.lora_linear import add_lora
+from kernels.cpu_lora import CpuLora
+from kernels.lora_batch import RUN_ROWS, LoraBatch
+from kernels.lora_bmm import lora_ref
+from tests.kernels.lora_checks import (
+    DTYPES,
+    SLICES,
+    case,
+    expand_close,
+    lora_bound,
+    shrink_close,
+    whole_pages,
+)
+from tests.kernels.paged_adapters import UNIT
+from tests.kernels.rounding import assert_within
+from tests.kernels.slot_spread import SPREADS
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> CpuLora:
+    kernel, why = CpuLora.load(tmp_path_factory.mktemp("kernels"))
+    assert kernel is not None, why
+    return kernel
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("base_every", [0, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shrink_matches_reference(kernel, spread, slices, base_every, dtype):
+    first_target, sizes = SLICES[slices]
+    slots, pool, adapters, table = case(spread, slices, base_every, dtype, 37, 136, sizes)
+    x = torch.randn(37, 136, dtype=dtype)
+    partials = kernel.step(table).shrink(x, pool, first_target, slices, UNIT)
+    assert partials.shape == (1, 37, slices, table.max_rank) and partials.dtype == torch.float32
+    shrink_close(partials, x, pool, slots, adapters, first_target, slices)
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("base_every", [0, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_matches_reference(kernel, spread, slices, base_every, dtype):
+    first_target, sizes = SLICES[slices]
+    slots, pool, adapters, table = case(spread, slices, base_every, dtype, 37, 72, sizes)
+    y = torch.randn(37, sum(sizes), dtype=dtype)
+    partials = torch.randn(1, 37, slices, table.max_rank)  # lanes past a rank must not count
+    y_old = y.clone()
+    out = kernel.step(table).expand(y, partials, pool, first_target, sizes, 72, UNIT)
+    assert out is y
+    expand_close(out, y_old, partials, pool, slots, adapters, first_target, sizes, 72, casts=3)
+    base_rows = torch.tensor(slots) < 0
+    assert torch.equal(out[base_rows], y_old[base_rows])
+
+
+@pytest.mark.parametrize("gathered", [2, 3])
+@pytest.mark.parametrize("slices", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_reads_every_ranks_shrink_of_a_fully_sharded_layer(kernel, gathered, slices, dtype):
+    first_target, sizes = SLICES[slices]
+    slots, pool, adapters, table = case("uniform", slices, 3, dtype, 37, 72, sizes, gathered=gathered)
+    y = torch.randn(37, sum(sizes), dtype=dtype)
+    partials = torch.randn(1, 37, slices, gathered * table.max_rank)
+    y_old = y.clone()
+    out = kernel.step(table).expand(y, partials, pool, first_target, sizes, 72, UNIT, gathered)
+    expand_close(out, y_old, partials, pool, slots, adapters, first_target, sizes, 72, gathered, casts=3)
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("base_every", [0, 3])
+@pytest.mark.parametrize("tokens", [1, 37, 75])  # 75: an adapter's segment in several tasks
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_every, tokens, dtype):
+    """lora_A's output rounded to the dtype, then lora_B's, then their sum with y (lora_ref)."""
+    first_target, sizes = SLICES[slices]
+    slots, pool, adapters, table = case(spread, slices, base_every, dtype, tokens, 40, sizes)
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 40, generator=generator).to(dtype)
+    y = torch.randn(tokens, sum(sizes), generator=generator).to(dtype)
+    out = y.clone()
+    if table is not None:  # None: no token uses an adapter (one base-model token), and no call is made
+        kernel.step(table).shrink_expand(out, x, pool, first_target, sizes, UNIT)
+    offset = 0
+    for s, size in enumerate(sizes):
+        target, columns = first_target + s, slice(offset, offset + size)
+        exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
+        assert_within(out[:, columns], exact, lora_bound(y[:, columns], x, pool, slots, adapters, target))
+        offset += size
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_step_of_decodes_and_prefill_runs_takes_the_kernels_and_batched_matmuls(kernel, dtype):
+    """The step as the engine mixes them: decodes of several adapters go to the kernels, one
+    adapter's prefill chunk of RUN_ROWS + 5 tokens to a batched matmul read in place; together
+    they round as PEFT does."""
+    first_target, sizes = SLICES[2]
+    pool, adapters = whole_pages(first_target, 40, sizes, dtype)  # batched matmuls read whole pages
+    slots = [1, 2, -1, *[0] * (RUN_ROWS + 5), 3, *[2] * (RUN_ROWS - 1), -1, 2, 1]
+    batch = LoraBatch.build(slots, adapters, cpu_lora=kernel)
+    assert [work.rows for work in batch.rows[first_target]] == [RUN_ROWS + 5]
+    assert batch.table.tokens.numel() == len(slots) - (RUN_ROWS + 5) - 2
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(len(slots), 40, generator=generator).to(dtype)
+    y = torch.randn(len(slots), sum(sizes), generator=generator).to(dtype)
+    out = add_lora(y.clone(), x, batch, pool, UNIT, first_target, sizes)
+    for s, columns in enumerate((slice(0, sizes[0]), slice(sizes[0], sum(sizes)))):
+        exact = lora_ref(
+            y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, first_target + s
+        )
+        assert_within(
+            out[:, columns], exact, lora_bound(y[:, columns], x, pool, slots, adapters, first_target + s)
+        )
+
+
+def test_a_pool_of_another_dtype_is_refused(kernel):
+    """The library reads the pool as x's dtype: a mismatch would read garbage, not fail."""
+    first_target, sizes = SLICES[1]
+    _, pool, _, table = case("uniform", 1, 3, torch.bfloat16, 8, 32, sizes)
+    with pytest.raises(AssertionError):
+        kernel.step(table).shrink(torch.randn(8, 32), pool, first_target, 1, UNIT)
