@@ -10,28 +10,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
 struct Shape {
     int64_t decodes, kv_heads, group, head_dim, block_size, table_width, width, window;
     float scale;
 };
-
-inline float widen(float x) { return x; }
-inline float widen(_Float16 x) { return static_cast<float>(x); }
-inline float widen(uint16_t bf16) {  // bfloat16: the high half of a float
-    return __builtin_bit_cast(float, static_cast<uint32_t>(bf16) << 16);
-}
-
-// Sixteen floats in one vector register (two on AVX2); GCC emits the ISA -march=native allows.
-typedef float Vec __attribute__((vector_size(64)));
-constexpr int64_t kVec = 16;
-
-inline Vec load(const float* x) {
-    Vec v;
-    std::memcpy(&v, x, sizeof v);
-    return v;
-}
 
 // a . b over n floats: four vectors of partial sums apart, so that no product waits for the one
 // before it (one running sum of 64 products is a chain of 64 dependent additions).
@@ -42,9 +28,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
         for (int j = 0; j < 4; ++j) sums[j] += load(a + d + j * kVec) * load(b + d + j * kVec);
     }
     for (; d + kVec <= n; d += kVec) sums[0] += load(a + d) * load(b + d);
-    const Vec all = (sums[0] + sums[1]) + (sums[2] + sums[3]);
-    float sum = 0.0f;
-    for (int64_t l = 0; l < kVec; ++l) sum += all[l];
+    float sum = lane_sum((sums[0] + sums[1]) + (sums[2] + sums[3]));
     for (; d < n; ++d) sum += a[d] * b[d];
     return sum;
 }
@@ -72,7 +56,10 @@ struct Sequence {
         if constexpr (std::is_same_v<T, float>) {
             return x;
         } else {
-            for (int64_t d = 0; d < s.block_size * row; ++d) buffer[d] = widen(x[d]);
+            const int64_t n = s.block_size * row;
+            int64_t d = 0;
+            for (; d + kVec <= n; d += kVec) store(buffer.data() + d, load(x + d));
+            for (; d < n; ++d) buffer[d] = widen(x[d]);
             return buffer.data();
         }
     }

@@ -2,10 +2,10 @@
 with ctypes.
 
 Each source is a few hundred lines (about a second to build). The library is keyed by a hash of
-the source, the flags and the CPU's model and flags, and written atomically under a per-user
-folder of the system's temporary one, so processes that start at once share one build. Where
-there is no compiler, the folder cannot be written or the library cannot be loaded, the caller
-is told why and keeps its torch path.
+the source and the headers beside it, the flags and the CPU's model and flags, and written
+atomically under a per-user folder of the system's temporary one, so processes that start at
+once share one build. Where there is no compiler, the folder cannot be written or the library
+cannot be loaded, the caller is told why and keeps its torch path.
 """
 
 import ctypes
@@ -38,8 +38,11 @@ def load_cpu_library(source: Path, directory: Path | None = None) -> tuple[ctype
 
 
 def _build_key(compiler: str, source: Path) -> str:
-    """Names the build of this source, by these flags, for this CPU (-march=native)."""
+    """Names the build of this source and the headers beside it, by these flags, for this CPU
+    (-march=native)."""
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
     digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_signature())).encode())
     return digest.hexdigest()[:16]
 

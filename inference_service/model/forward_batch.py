@@ -8,6 +8,8 @@ import torch
 from inference_service.model.attention import AttentionMetadata, SequenceChunk
 from inference_service.model.vocab_batch import VocabBatch, VocabPages
 from kernels.cpu_kernels import CpuKernels
+from kernels.cpu_rms_norm import CpuRmsNorm
+from kernels.cpu_rope import CpuRope
 from kernels.lora_batch import AdapterPages, LoraBatch
 
 
@@ -32,6 +34,8 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [rows] which hidden rows get logits (last token per sequence, or all)
     kernels: bool = True  # the Triton kernels' path (attention, LoRA, experts)
     vocab: VocabBatch | None = None  # None when no token's adapter has vocabulary-side parts
+    rope: CpuRope | None = None  # the compiled CPU kernel for rotary embeddings (None: torch's ops)
+    norm: CpuRmsNorm | None = None  # and for the hidden states' RMSNorm
 
     @classmethod
     def build(
@@ -81,4 +85,6 @@ class ForwardBatch:
             vocab=VocabBatch.build(
                 token_ids, slots, rows, vocab_adapters or {}, vocab_range, device, kernels
             ),
+            rope=None if kernels else cpu.rope,
+            norm=None if kernels else cpu.rms_norm,
         )

@@ -17,6 +17,7 @@ from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencie
 from inference_service.model.shard import Shard
 from inference_service.model.vocab_adapters import VocabParts, add_embedding_terms, add_head_terms
 from inference_service.model.vocab_batch import VocabBatch
+from kernels.cpu_rms_norm import CpuRmsNorm
 from shared.model_config import ModelConfig
 
 
@@ -26,7 +27,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernel: CpuRmsNorm | None = None) -> torch.Tensor:
+        """x [..., size]; `kernel` (the compiled CPU one) takes rows of hidden states."""
+        if kernel is not None and x.dim() == 2 and x.stride(1) == 1:
+            return kernel(x, self.weight, self.eps)
         # Normalize in fp32 whatever the serving dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -100,6 +104,9 @@ class Attention(nn.Module):
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
         qkv = self.qkv_proj(x, batch.lora)  # [tokens, q + 2 kv]
+        in_place = batch.rope is not None and cfg.qk_norm is None
+        if in_place:  # q and k rotated where they lie in qkv, one call
+            batch.rope(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -107,7 +114,8 @@ class Attention(nn.Module):
         k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)  # [tokens, kv_heads, hd]
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not in_place:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         o = attend(q, k, v, cache, self.layer, batch.attention, cfg.head_dim**-0.5)  # [tokens, heads, hd]
         return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, cfg.q_size), batch.lora))
@@ -150,8 +158,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(cfg, pool, unit, place) if cfg.moe else MLP(cfg, pool, unit, place)
 
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+        x = x + self.self_attn(self.input_layernorm(x, batch.norm), batch, cache, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x, batch.norm), batch)
 
 
 class LlamaModel(nn.Module):
@@ -222,7 +230,7 @@ class LlamaModel(nn.Module):
         cos, sin = cos_sin(self.inv_freq, batch.positions, x.dtype)  # [tokens, hd] each, for every layer
         for layer in self.layers:
             x = layer(x, batch, cache, cos, sin)
-        x = self.norm(x[batch.logit_rows])  # [rows, hidden]
+        x = self.norm(x[batch.logit_rows], batch.norm)  # [rows, hidden]
         if self.packed_head is not None:
             logits = self.packed_head.linear(x, None)  # [rows, vocab rows]
         else:

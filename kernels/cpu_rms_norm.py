@@ -1,0 +1,50 @@
+"""cpu_rms_norm: RMSNorm on the CPU in one call for every row (kernels/cpu_rms_norm.cpp).
+
+The torch path (inference_service/model/model.py's RMSNorm) takes six to eight kernels a call (the
+upcast, the squares, their mean, the epsilon, the reciprocal square root, two products and the
+downcast): at decode sizes each is a few microseconds of dispatch for a few thousand elements, and
+a layer has two norms. This kernel rounds where those ops do. The C++ source is compiled once per
+machine (kernels/cpu_library.py); where it cannot be, `CpuRmsNorm.load` says why and returns None,
+and the torch path runs.
+"""
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_library import load_cpu_library
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class _Norm(ctypes.Structure):  # Norm in the source
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "size", "x_stride", "out_stride")]
+    _fields_ += [("eps", ctypes.c_float)]
+
+
+class CpuRmsNorm:
+    """The compiled kernel of one process."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = {dtype: getattr(library, f"rms_norm_{suffix}") for dtype, suffix in NAMES.items()}
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> "tuple[CpuRmsNorm | None, str]":
+        """The kernel, built into `directory` (load_cpu_library's default: a per-user folder)
+        unless this machine's build is there; (None, why) where it cannot be."""
+        library, why = load_cpu_library(SOURCE, directory)
+        return (cls(library) if library else None), why
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Semantics: out[r] = weight * to_dtype(x[r] / sqrt(mean(x[r]^2) + eps)), computed in fp32
+        for each row r of x [rows, size] (rows contiguous), weight [size] of x's dtype."""
+        rows, size = x.shape
+        assert x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (size,)
+        assert weight.dtype == x.dtype and x.device.type == "cpu"
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [rows, size]
+        shape = _Norm(rows, size, x.stride(0), size, eps)
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (x, weight, out))
+        self._functions[x.dtype](ctypes.byref(shape), *pointers)
+        return out

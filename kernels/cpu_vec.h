@@ -1,0 +1,84 @@
+// Sixteen-float vectors for the CPU kernels (GCC's vector extensions: -march=native picks the ISA,
+// one AVX-512 register or two AVX2 ones), and the widening and rounding of the serving dtypes.
+// kernels/cpu_library.py builds every source that includes it again when it changes.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+typedef float Vec __attribute__((vector_size(64)));
+typedef uint32_t Bits __attribute__((vector_size(64)));
+typedef uint16_t Half16 __attribute__((vector_size(32)));
+typedef _Float16 Fp16x16 __attribute__((vector_size(32)));
+constexpr int64_t kVec = 16;
+
+inline float widen(float x) { return x; }
+inline float widen(_Float16 x) { return static_cast<float>(x); }
+inline float widen(uint16_t bf16) {  // bfloat16: the high half of a float
+    return __builtin_bit_cast(float, static_cast<uint32_t>(bf16) << 16);
+}
+
+template <typename V, typename T>
+inline V load_as(const T* x) {
+    V v;
+    std::memcpy(&v, x, sizeof v);
+    return v;
+}
+
+inline Vec load(const float* x) { return load_as<Vec>(x); }
+inline Vec load(const _Float16* x) { return __builtin_convertvector(load_as<Fp16x16>(x), Vec); }
+inline Vec load(const uint16_t* x) {
+    const Bits bits = __builtin_convertvector(load_as<Half16>(x), Bits) << 16;
+    return load_as<Vec>(&bits);
+}
+
+// bfloat16 bits of x, rounded to nearest even as torch rounds (a NaN stays a quiet NaN).
+inline Bits bf16_bits(Vec x) {
+    const Bits u = load_as<Bits>(&x);
+    const Bits rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return ((u & 0x7fffffffu) > 0x7f800000u) ? ((u >> 16) | 0x40u) : rounded;
+}
+
+// x rounded to T, as a vector of floats again.
+template <typename T>
+inline Vec rounded(Vec x) {
+    if constexpr (std::is_same_v<T, float>) {
+        return x;
+    } else if constexpr (std::is_same_v<T, _Float16>) {
+        return __builtin_convertvector(__builtin_convertvector(x, Fp16x16), Vec);
+    } else {
+        const Bits bits = bf16_bits(x) << 16;
+        return load_as<Vec>(&bits);
+    }
+}
+
+template <typename T>
+inline void store(T* y, Vec x) {
+    if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(y, &x, sizeof x);
+    } else if constexpr (std::is_same_v<T, _Float16>) {
+        const Fp16x16 h = __builtin_convertvector(x, Fp16x16);
+        std::memcpy(y, &h, sizeof h);
+    } else {
+        const Half16 h = __builtin_convertvector(bf16_bits(x), Half16);
+        std::memcpy(y, &h, sizeof h);
+    }
+}
+
+template <typename T>
+inline T narrow(float x) {  // one element, as rounded<T> and store<T> round sixteen
+    Vec v = {};
+    v[0] = x;
+    T out[kVec];
+    store(out, v);
+    return out[0];
+}
+
+inline float lane_sum(Vec v) {  // halves added pairwise: four shuffles, not sixteen extractions
+    typedef float Vec8 __attribute__((vector_size(32)));
+    typedef float Vec4 __attribute__((vector_size(16)));
+    const Vec8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
