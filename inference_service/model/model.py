@@ -104,7 +104,7 @@ class Attention(nn.Module):
     def forward(self, x, batch: ForwardBatch, cache: KVCache, cos, sin) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
         qkv = self.qkv_proj(x, batch.lora)  # [tokens, q + 2 kv]
-        in_place = batch.rope is not None and cfg.qk_norm is None
+        in_place = batch.rope is not None and cfg.qk_norm == "none"
         if in_place:  # q and k rotated where they lie in qkv, one call
             batch.rope(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
