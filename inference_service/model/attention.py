@@ -262,6 +262,8 @@ def _attend_kernels(q, k_cache, v_cache, decode_tokens, path: KernelPath, scale)
 
 
 def _attend_sdpa(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -> torch.Tensor:
+    if not path.prefills:  # a decode-only step: token i is sequence i's one new token
+        return _attend_decodes(q, k_cache, v_cache, None, path, scale)
     out = torch.empty_like(q)
     for p in path.prefills:
         kp = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]  # [context, kv_heads, hd]
@@ -290,15 +292,15 @@ def _attend_one(q, k, v, mask, scale) -> torch.Tensor:
 
 
 def _attend_decodes(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -> torch.Tensor:
+    """decode_tokens None: every token of q is a decode, in order."""
+    qd = q if decode_tokens is None else q.index_select(0, decode_tokens)  # [decodes, heads, hd]
     if path.decode_kernel is not None:
-        qd = q.index_select(0, decode_tokens)  # [decodes, heads, hd]
         return path.decode_kernel(
             qd, k_cache, v_cache, path.decode_blocks, path.decode_contexts, scale, path.sliding_window
         )
     # index_select, not advanced indexing: several times faster for these gathers on CPU
     decodes = path.decode_blocks.shape[0]
     blocks = path.decode_blocks.flatten()  # [decodes*width]
-    qd = q.index_select(0, decode_tokens)  # [decodes, heads, hd]
     kd = k_cache.index_select(0, blocks).view(decodes, -1, *k_cache.shape[2:]).transpose(1, 2)
     vd = v_cache.index_select(0, blocks).view(decodes, -1, *v_cache.shape[2:]).transpose(1, 2)
     # [decodes, kv_heads, width, hd] each. The query heads that share a KV head attend as its
