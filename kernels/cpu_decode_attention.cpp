@@ -15,7 +15,7 @@
 namespace {
 
 struct Shape {
-    int64_t decodes, kv_heads, group, head_dim, block_size, table_width, width, window;
+    int64_t decodes, kv_heads, group, head_dim, block_size, table_width, width, window, q_stride;
     float scale;
 };
 
@@ -33,6 +33,20 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return sum;
 }
 
+// n elements of x as floats in `buffer` (x itself where T is float).
+template <typename T>
+const float* widened(const T* x, int64_t n, std::vector<float>& buffer) {
+    if constexpr (std::is_same_v<T, float>) {
+        return x;
+    } else {
+        buffer.resize(n);
+        int64_t d = 0;
+        for (; d + kVec <= n; d += kVec) store(buffer.data() + d, load(x + d));
+        for (; d < n; ++d) buffer[d] = widen(x[d]);
+        return buffer.data();
+    }
+}
+
 // One sequence's keys or values: positions [first, context) of its blocks.
 template <typename T>
 struct Sequence {
@@ -40,29 +54,18 @@ struct Sequence {
     const T* cache;  // [blocks, block_size, kv_heads, head_dim]
     const int64_t* table;  // [table_width] its blocks
     int64_t first, context, row;  // row: kv_heads * head_dim, a position's values
-    std::vector<float> buffer;  // a block, widened (none for fp32)
+    std::vector<float> buffer;  // a block, widened (unused for fp32)
 
     Sequence(const Shape& shape, const T* cache_, const int64_t* tables, const int64_t* contexts, int64_t i)
         : s(shape), cache(cache_), table(tables + i * shape.table_width), context(contexts[i]),
-          row(shape.kv_heads * shape.head_dim), buffer(std::is_same_v<T, float> ? 0 : shape.block_size * row) {
+          row(shape.kv_heads * shape.head_dim) {
         first = s.window > 0 && context > s.window ? context - s.window : 0;
     }
 
     // The sequence's b-th block [block_size, kv_heads, head_dim], widened unless already fp32. A
     // sequence reads its blocks' bytes in order, all heads at once, as the prefetchers expect (a
     // head at a time, they fetched the other heads' lines too).
-    const float* block(int64_t b) {
-        const T* x = cache + table[b] * s.block_size * row;
-        if constexpr (std::is_same_v<T, float>) {
-            return x;
-        } else {
-            const int64_t n = s.block_size * row;
-            int64_t d = 0;
-            for (; d + kVec <= n; d += kVec) store(buffer.data() + d, load(x + d));
-            for (; d < n; ++d) buffer[d] = widen(x[d]);
-            return buffer.data();
-        }
-    }
+    const float* block(int64_t b) { return widened(cache + table[b] * s.block_size * row, s.block_size * row, buffer); }
 
     // Calls visit(lo, hi, rows) for each block holding positions seen: they are [lo, hi), position
     // p's values at rows + (p - lo) * row.
@@ -127,31 +130,40 @@ void each_sequence(const Shape* s, Work work) {
     for (int64_t i = 0; i < s->decodes; ++i) work(i);
 }
 
+// q: [decodes, heads, head_dim] at a stride of s->q_stride between decodes, in the cache's dtype.
 template <typename T>
-void scores(const Shape* s, const float* q, const T* k, const int64_t* tables, const int64_t* contexts, float* out) {
+void scores(const Shape* s, const T* q, const T* k, const int64_t* tables, const int64_t* contexts, float* out) {
     const int64_t heads = s->kv_heads * s->group;
     each_sequence(s, [&](int64_t i) {
-        scores_of(Sequence<T>(*s, k, tables, contexts, i), q + i * heads * s->head_dim, out + i * heads * s->width);
+        std::vector<float> buffer;
+        const float* qi = widened(q + i * s->q_stride, heads * s->head_dim, buffer);
+        scores_of(Sequence<T>(*s, k, tables, contexts, i), qi, out + i * heads * s->width);
     });
 }
 
+// out: [decodes, heads, head_dim] in the cache's dtype, each sum rounded to it once.
 template <typename T>
-void values(const Shape* s, const float* probs, const T* v, const int64_t* tables, const int64_t* contexts, float* out) {
-    const int64_t heads = s->kv_heads * s->group;
+void values(const Shape* s, const float* probs, const T* v, const int64_t* tables, const int64_t* contexts, T* out) {
+    const int64_t heads = s->kv_heads * s->group, n = heads * s->head_dim;
     each_sequence(s, [&](int64_t i) {
-        values_of(Sequence<T>(*s, v, tables, contexts, i), probs + i * heads * s->width, out + i * heads * s->head_dim);
+        std::vector<float> sums(n);
+        values_of(Sequence<T>(*s, v, tables, contexts, i), probs + i * heads * s->width, sums.data());
+        T* o = out + i * n;
+        int64_t d = 0;
+        for (; d + kVec <= n; d += kVec) store(o + d, load(sums.data() + d));
+        for (; d < n; ++d) o[d] = narrow<T>(sums[d]);
     });
 }
 
 }  // namespace
 
 #define EXPORT(NAME, T)                                                                                     \
-    extern "C" void decode_scores_##NAME(const Shape* s, const float* q, const T* k, const int64_t* tables, \
+    extern "C" void decode_scores_##NAME(const Shape* s, const T* q, const T* k, const int64_t* tables,     \
                                          const int64_t* contexts, float* out) {                            \
         scores<T>(s, q, k, tables, contexts, out);                                                          \
     }                                                                                                       \
     extern "C" void decode_values_##NAME(const Shape* s, const float* probs, const T* v,                   \
-                                         const int64_t* tables, const int64_t* contexts, float* out) {     \
+                                         const int64_t* tables, const int64_t* contexts, T* out) {         \
         values<T>(s, probs, v, tables, contexts, out);                                                      \
     }
 

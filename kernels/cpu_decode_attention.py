@@ -19,7 +19,17 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-_SIZES = ("decodes", "kv_heads", "group", "head_dim", "block_size", "table_width", "width", "window")
+_SIZES = (
+    "decodes",
+    "kv_heads",
+    "group",
+    "head_dim",
+    "block_size",
+    "table_width",
+    "width",
+    "window",
+    "q_stride",
+)
 
 
 class _Shape(ctypes.Structure):  # Shape in the source
@@ -54,8 +64,9 @@ class CpuDecodeAttention:
         w = sliding_window or unbounded), position p being row p % block_size of block
         block_tables[i, p // block_size].
 
-        q: [decodes, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim],
-        contiguous, fp32, bf16 or fp16; block_tables: [decodes, max_blocks] int64; contexts:
+        q: [decodes, heads, head_dim] of the cache's dtype, each decode's heads contiguous (a view
+        into the qkv projection's rows is fine); k_cache, v_cache: [blocks, block_size, kv_heads,
+        head_dim], contiguous, fp32, bf16 or fp16; block_tables: [decodes, max_blocks] int64; contexts:
         [decodes] int64, each at least 1 and at most max_blocks * block_size. Returns [decodes,
         heads, head_dim] in q's dtype; scores, softmax and sums are fp32 (softmax is torch's).
         """
@@ -63,19 +74,19 @@ class CpuDecodeAttention:
         assert block_tables.dtype == contexts.dtype == torch.int64 and block_tables.is_contiguous()
         decodes, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
+        assert q.dtype == k_cache.dtype and q.stride(2) == 1 and q.stride(1) == head_dim
         shape = _Shape(
             decodes, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
-            block_tables.shape[1] * block_size, sliding_window or 0, scale,
+            block_tables.shape[1] * block_size, sliding_window or 0, q.stride(0), scale,
         )  # fmt: skip
         name = NAMES[k_cache.dtype]
         tables, contexts = block_tables, contexts.contiguous()
-        q32 = q.float().contiguous()  # [decodes, heads, hd]
         scores = torch.empty(decodes, heads, shape.width)  # [decodes, heads, width]; -inf where unseen
-        self._run(f"decode_scores_{name}", shape, q32, k_cache, tables, contexts, scores)
+        self._run(f"decode_scores_{name}", shape, q, k_cache, tables, contexts, scores)
         probs = torch.softmax(scores, dim=-1)  # [decodes, heads, width]
-        out = torch.empty(decodes, heads, head_dim)  # [decodes, heads, hd]
+        out = torch.empty(decodes, heads, head_dim, dtype=q.dtype)  # [decodes, heads, hd]
         self._run(f"decode_values_{name}", shape, probs, v_cache, tables, contexts, out)
-        return out.to(q.dtype)
+        return out
 
     def _run(self, function: str, shape: _Shape, *tensors: torch.Tensor) -> None:
         pointers = (ctypes.c_void_p(t.data_ptr()) for t in tensors)

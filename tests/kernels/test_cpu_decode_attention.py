@@ -74,6 +74,18 @@ def test_several_kv_heads_and_head_dims(kernel, head_dim):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_queries_are_read_where_the_qkv_projection_left_them(kernel, dtype):
+    """q a view into wider rows (each decode's row of qkv, k and v after its heads)."""
+    q, k_cache, v_cache, tables, contexts = _case([9, 70, 1], 3, 4, dtype, kv_heads=2, head_dim=24)
+    decodes, heads, head_dim = q.shape
+    rows = torch.full((decodes, (heads + 4) * head_dim), float("nan"), dtype=dtype)
+    rows[:, : heads * head_dim] = q.flatten(1)
+    view = rows[:, : heads * head_dim].view(decodes, heads, head_dim)
+    got = kernel(view, k_cache, v_cache, tables, contexts, 0.2, None)
+    _check(got, q, k_cache, v_cache, tables, contexts, 0.2, None)
+
+
 def test_no_decodes_returns_nothing(kernel):
     q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.float32)
     out = kernel(q[:0], k_cache, v_cache, tables[:0], contexts[:0], 0.25, None)
