@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from inference_service.model.kv_cache import KVCache
 from kernels.cpu_decode_attention import CpuDecodeAttention
+from kernels.cpu_prefill_attention import CpuPrefillAttention
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention, prefill_tiles
 
@@ -49,12 +50,42 @@ class PrefillAttention:
 
 
 @dataclass(frozen=True)
+class CpuPrefills:
+    """A step's prefill chunks for the compiled CPU kernel, which reads the cache in place: its
+    inputs as prefill_attention takes them."""
+
+    kernel: CpuPrefillAttention
+    tables: torch.Tensor  # [prefills, max_blocks] int32, cut to each context's blocks
+    starts: torch.Tensor  # [prefills] int32: each chunk's first row of the flattened batch
+    lens: torch.Tensor  # [prefills] int32
+    contexts: torch.Tensor  # [prefills] int32: cached + new tokens
+
+    @classmethod
+    def build(
+        cls, kernel: CpuPrefillAttention, prefills: list[SequenceChunk], block_size: int
+    ) -> "CpuPrefills":
+        return cls(
+            kernel,
+            _block_tables(prefills, block_size, "cpu"),
+            _int32([c.token_start for c in prefills], "cpu"),
+            _int32([c.num_tokens for c in prefills], "cpu"),
+            _int32([c.cached + c.num_tokens for c in prefills], "cpu"),
+        )
+
+    def attend(self, q, k_cache, v_cache, scale: float, window: int | None) -> torch.Tensor:
+        return self.kernel(
+            q, k_cache, v_cache, self.tables, self.starts, self.lens, self.contexts, scale, window
+        )
+
+
+@dataclass(frozen=True)
 class SdpaPath:
     """The torch path (CPU): sequences with one new token are decoded together, by the compiled
     kernel that reads the cache in place where there is one, else in one padded SDPA call over
-    their gathered blocks; the others (prefill chunks) attend one sequence at a time."""
+    their gathered blocks; the others (prefill chunks) attend by the compiled prefill kernel where
+    there is one, else one sequence at a time, in SDPA calls over their gathered blocks."""
 
-    prefills: tuple[PrefillAttention, ...]
+    prefills: tuple[PrefillAttention, ...]  # for SDPA: none with cpu_prefills
     # [decodes, max_blocks] block tables, each padded with its own first block: masked positions
     # still enter SDPA's product (0 x NaN = NaN), so padding never reads another sequence's blocks
     decode_blocks: torch.Tensor
@@ -62,6 +93,7 @@ class SdpaPath:
     sliding_window: int | None
     decode_kernel: CpuDecodeAttention | None
     decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool; None with the kernel
+    cpu_prefills: CpuPrefills | None = None  # the step's prefill chunks, when the kernel takes them
 
     @classmethod
     def build(
@@ -72,10 +104,13 @@ class SdpaPath:
         window: int | None,
         device: torch.device | str,
         decode_kernel: CpuDecodeAttention | None = None,
+        prefill_kernel: CpuPrefillAttention | None = None,
     ) -> "SdpaPath":
         width = max((len(c.block_table) for c in decodes), default=0)
+        in_place = prefill_kernel is not None and bool(prefills)
         return cls(
-            prefills=tuple(_prefill(c, block_size, window, device) for c in prefills),
+            prefills=() if in_place else tuple(_prefill(c, block_size, window, device) for c in prefills),
+            cpu_prefills=CpuPrefills.build(prefill_kernel, prefills, block_size) if in_place else None,
             decode_blocks=_long(
                 [c.block_table + c.block_table[:1] * (width - len(c.block_table)) for c in decodes],
                 device,
@@ -144,9 +179,10 @@ class AttentionMetadata:
         device: torch.device | str,
         kernels: bool | None = None,
         decode_kernel: CpuDecodeAttention | None = None,
+        prefill_kernel: CpuPrefillAttention | None = None,
     ) -> "AttentionMetadata":
         """kernels: take the Triton kernels' path (default: on CUDA) rather than SDPA's, on which
-        decode_kernel (if given) decodes."""
+        decode_kernel and prefill_kernel (where given) decode and prefill."""
         positions, slots = _positions_and_slots(chunks, block_size)
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
@@ -155,7 +191,9 @@ class AttentionMetadata:
         if kernels:
             path = KernelPath.build(prefills, decodes, block_size, sliding_window, device)
         else:
-            path = SdpaPath.build(prefills, decodes, block_size, sliding_window, device, decode_kernel)
+            path = SdpaPath.build(
+                prefills, decodes, block_size, sliding_window, device, decode_kernel, prefill_kernel
+            )
         return cls(
             positions=torch.from_numpy(positions).to(device),
             cache_slots=torch.from_numpy(slots).to(device),
@@ -262,9 +300,12 @@ def _attend_kernels(q, k_cache, v_cache, decode_tokens, path: KernelPath, scale)
 
 
 def _attend_sdpa(q, k_cache, v_cache, decode_tokens, path: SdpaPath, scale) -> torch.Tensor:
-    if not path.prefills:  # a decode-only step: token i is sequence i's one new token
+    if path.cpu_prefills is not None:
+        out = path.cpu_prefills.attend(q, k_cache, v_cache, scale, path.sliding_window)
+    elif not path.prefills:  # a decode-only step: token i is sequence i's one new token
         return _attend_decodes(q, k_cache, v_cache, None, path, scale)
-    out = torch.empty_like(q)
+    else:
+        out = torch.empty_like(q)
     for p in path.prefills:
         kp = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]  # [context, kv_heads, hd]
         vp = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.context]

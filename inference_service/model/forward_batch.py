@@ -66,7 +66,7 @@ class ForwardBatch:
             start += len(s.token_ids)
         cpu = cpu or CpuKernels()
         attention = AttentionMetadata.build(
-            chunks, block_size, sliding_window, device, kernels, cpu.decode_attention
+            chunks, block_size, sliding_window, device, kernels, cpu.decode_attention, cpu.prefill_attention
         )
         last_rows = [c.token_start + c.num_tokens - 1 for c in chunks]
         rows = list(range(start)) if all_logits else last_rows
