@@ -10,6 +10,7 @@ None, and prefill chunks take torch's SDPA.
 """
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +48,13 @@ class CpuPrefillAttention:
         library, why = load_cpu_library(SOURCE, directory)
         return (cls(library) if library else None), why
 
+    def step(
+        self, tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor
+    ) -> "CpuPrefillStep":
+        """The kernel on one step's prefill chunks: their block tables (cut to each context's
+        blocks), first rows, new tokens and contexts, int32 on the CPU."""
+        return CpuPrefillStep(self, tables, starts, lens, contexts)
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -81,3 +89,18 @@ class CpuPrefillAttention:
         pointers = (ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, out))
         self._functions[q.dtype](ctypes.byref(shape), *pointers)
         return out
+
+
+@dataclass(frozen=True)
+class CpuPrefillStep:
+    """A step's prefill chunks for the kernel, built once and used by every layer."""
+
+    kernel: CpuPrefillAttention
+    tables: torch.Tensor  # [prefills, max_blocks] int32
+    starts: torch.Tensor  # [prefills] int32: each chunk's first row of the flattened batch
+    lens: torch.Tensor  # [prefills] int32
+    contexts: torch.Tensor  # [prefills] int32: cached + new tokens
+
+    def attend(self, q, k_cache, v_cache, scale: float, window: int | None) -> torch.Tensor:
+        inputs = (self.tables, self.starts, self.lens, self.contexts)
+        return self.kernel(q, k_cache, v_cache, *inputs, scale, window)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from inference_service.model.kv_cache import KVCache
 from kernels.cpu_decode_attention import CpuDecodeAttention
-from kernels.cpu_prefill_attention import CpuPrefillAttention
+from kernels.cpu_prefill_attention import CpuPrefillAttention, CpuPrefillStep
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention, prefill_tiles
 
@@ -50,35 +50,6 @@ class PrefillAttention:
 
 
 @dataclass(frozen=True)
-class CpuPrefills:
-    """A step's prefill chunks for the compiled CPU kernel, which reads the cache in place: its
-    inputs as prefill_attention takes them."""
-
-    kernel: CpuPrefillAttention
-    tables: torch.Tensor  # [prefills, max_blocks] int32, cut to each context's blocks
-    starts: torch.Tensor  # [prefills] int32: each chunk's first row of the flattened batch
-    lens: torch.Tensor  # [prefills] int32
-    contexts: torch.Tensor  # [prefills] int32: cached + new tokens
-
-    @classmethod
-    def build(
-        cls, kernel: CpuPrefillAttention, prefills: list[SequenceChunk], block_size: int
-    ) -> "CpuPrefills":
-        return cls(
-            kernel,
-            _block_tables(prefills, block_size, "cpu"),
-            _int32([c.token_start for c in prefills], "cpu"),
-            _int32([c.num_tokens for c in prefills], "cpu"),
-            _int32([c.cached + c.num_tokens for c in prefills], "cpu"),
-        )
-
-    def attend(self, q, k_cache, v_cache, scale: float, window: int | None) -> torch.Tensor:
-        return self.kernel(
-            q, k_cache, v_cache, self.tables, self.starts, self.lens, self.contexts, scale, window
-        )
-
-
-@dataclass(frozen=True)
 class SdpaPath:
     """The torch path (CPU): sequences with one new token are decoded together, by the compiled
     kernel that reads the cache in place where there is one, else in one padded SDPA call over
@@ -93,7 +64,7 @@ class SdpaPath:
     sliding_window: int | None
     decode_kernel: CpuDecodeAttention | None
     decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool; None with the kernel
-    cpu_prefills: CpuPrefills | None = None  # the step's prefill chunks, when the kernel takes them
+    cpu_prefills: CpuPrefillStep | None = None  # the step's prefill chunks, when the kernel takes them
 
     @classmethod
     def build(
@@ -110,7 +81,7 @@ class SdpaPath:
         in_place = prefill_kernel is not None and bool(prefills)
         return cls(
             prefills=() if in_place else tuple(_prefill(c, block_size, window, device) for c in prefills),
-            cpu_prefills=CpuPrefills.build(prefill_kernel, prefills, block_size) if in_place else None,
+            cpu_prefills=_cpu_prefills(prefill_kernel, prefills, block_size) if in_place else None,
             decode_blocks=_long(
                 [c.block_table + c.block_table[:1] * (width - len(c.block_table)) for c in decodes],
                 device,
@@ -226,6 +197,15 @@ def _block_tables(chunks: list[SequenceChunk], block_size: int, device) -> torch
     tables = [c.block_table[: -(-(c.cached + c.num_tokens) // block_size)] for c in chunks]
     width = max((len(t) for t in tables), default=0)
     return _int32([t + [0] * (width - len(t)) for t in tables], device).view(len(tables), width)
+
+
+def _cpu_prefills(
+    kernel: CpuPrefillAttention, prefills: list[SequenceChunk], block_size: int
+) -> CpuPrefillStep:
+    starts, lens = [c.token_start for c in prefills], [c.num_tokens for c in prefills]
+    contexts = [c.cached + c.num_tokens for c in prefills]
+    tables = _block_tables(prefills, block_size, "cpu")
+    return kernel.step(tables, *(_int32(values, "cpu") for values in (starts, lens, contexts)))
 
 
 def _prefill(chunk: SequenceChunk, block_size: int, window: int | None, device) -> PrefillAttention:
