@@ -13,11 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import load_cpu_library
-
-SOURCE = Path(__file__).with_suffix(".cpp")
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
+from kernels.cpu_library import DTYPE_NAMES, CompiledKernel
 
 _SIZES = (
     "decodes",
@@ -36,18 +32,13 @@ class _Shape(ctypes.Structure):  # Shape in the source
     _fields_ = [(name, ctypes.c_int64) for name in _SIZES] + [("scale", ctypes.c_float)]
 
 
-class CpuDecodeAttention:
+class CpuDecodeAttention(CompiledKernel):
     """The compiled kernels of one process."""
+
+    SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
         self._library = library
-
-    @classmethod
-    def load(cls, directory: Path | None = None) -> "tuple[CpuDecodeAttention | None, str]":
-        """The kernels, built into `directory` (load_cpu_library's default: a per-user folder)
-        unless this machine's build is there; (None, why) where they cannot be."""
-        library, why = load_cpu_library(SOURCE, directory)
-        return (cls(library) if library else None), why
 
     def __call__(
         self,
@@ -79,7 +70,7 @@ class CpuDecodeAttention:
             decodes, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
             block_tables.shape[1] * block_size, sliding_window or 0, q.stride(0), scale,
         )  # fmt: skip
-        name = NAMES[k_cache.dtype]
+        name = DTYPE_NAMES[k_cache.dtype]
         tables, contexts = block_tables, contexts.contiguous()
         scores = torch.empty(decodes, heads, shape.width)  # [decodes, heads, width]; -inf where unseen
         self._run(f"decode_scores_{name}", shape, q, k_cache, tables, contexts, scores)

@@ -16,8 +16,34 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Self
+
+import torch
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+# the suffix each source's exported functions take for a dtype
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class CompiledKernel:
+    """A kernel whose C++ source (the subclass's SOURCE) is built once per machine and loaded with
+    ctypes; the subclass is made from the library."""
+
+    SOURCE: Path
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> "tuple[Self | None, str]":
+        """The kernel, built into `directory` (load_cpu_library's default: a per-user folder)
+        unless this machine's build is there; (None, why) where it cannot be."""
+        library, why = load_cpu_library(cls.SOURCE, directory)
+        return (cls(library) if library else None), why
+
+
+def dtype_functions(library: ctypes.CDLL, prefix: str) -> dict:
+    """dtype -> the library's function `prefix`_<dtype name> for it."""
+    return {dtype: getattr(library, f"{prefix}_{suffix}") for dtype, suffix in DTYPE_NAMES.items()}
 
 
 def load_cpu_library(source: Path, directory: Path | None = None) -> tuple[ctypes.CDLL | None, str]:

@@ -14,12 +14,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import load_cpu_library
+from kernels.cpu_library import CompiledKernel, dtype_functions
 from kernels.lora_batch import SegmentTable
 from kernels.lora_expand import MAX_SLICES
-
-SOURCE = Path(__file__).with_suffix(".cpp")
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 _SIZES = (
     "segments", "max_pages", "first_target", "slices", "in_features", "unit", "x_stride", "y_stride",
@@ -37,22 +34,17 @@ class _Lora(ctypes.Structure):  # Lora in the source
     ]
 
 
-class CpuLora:
+class CpuLora(CompiledKernel):
     """The compiled kernels of one process."""
+
+    SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
         self._functions = {
-            (name, dtype): getattr(library, f"lora_{name}_{suffix}")
+            (name, dtype): function
             for name in ("shrink", "expand", "shrink_expand")
-            for dtype, suffix in NAMES.items()
+            for dtype, function in dtype_functions(library, f"lora_{name}").items()
         }
-
-    @classmethod
-    def load(cls, directory: Path | None = None) -> "tuple[CpuLora | None, str]":
-        """The kernels, built into `directory` (load_cpu_library's default: a per-user folder)
-        unless this machine's build is there; (None, why) where they cannot be."""
-        library, why = load_cpu_library(SOURCE, directory)
-        return (cls(library) if library else None), why
 
     def step(self, table: SegmentTable) -> "CpuLoraStep":
         """The kernels on one step's segments (`table`: int32, on the CPU)."""

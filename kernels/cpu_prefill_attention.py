@@ -15,10 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import load_cpu_library
+from kernels.cpu_library import CompiledKernel, dtype_functions
 
-SOURCE = Path(__file__).with_suffix(".cpp")
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SIZES = (
     "chunks", "kv_heads", "group", "head_dim", "block_size", "table_width", "q_stride", "out_stride",
     "window",
@@ -33,20 +31,13 @@ class _Prefill(ctypes.Structure):  # Prefill in the source
     ]
 
 
-class CpuPrefillAttention:
+class CpuPrefillAttention(CompiledKernel):
     """The compiled kernel of one process."""
 
-    def __init__(self, library: ctypes.CDLL):
-        self._functions = {
-            dtype: getattr(library, f"prefill_attention_{suffix}") for dtype, suffix in NAMES.items()
-        }
+    SOURCE = Path(__file__).with_suffix(".cpp")
 
-    @classmethod
-    def load(cls, directory: Path | None = None) -> "tuple[CpuPrefillAttention | None, str]":
-        """The kernel, built into `directory` (load_cpu_library's default: a per-user folder)
-        unless this machine's build is there; (None, why) where it cannot be."""
-        library, why = load_cpu_library(SOURCE, directory)
-        return (cls(library) if library else None), why
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = dtype_functions(library, "prefill_attention")
 
     def step(
         self, tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor

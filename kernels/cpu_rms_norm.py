@@ -13,10 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import load_cpu_library
-
-SOURCE = Path(__file__).with_suffix(".cpp")
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from kernels.cpu_library import CompiledKernel, dtype_functions
 
 
 class _Norm(ctypes.Structure):  # Norm in the source
@@ -24,18 +21,13 @@ class _Norm(ctypes.Structure):  # Norm in the source
     _fields_ += [("eps", ctypes.c_float)]
 
 
-class CpuRmsNorm:
+class CpuRmsNorm(CompiledKernel):
     """The compiled kernel of one process."""
 
-    def __init__(self, library: ctypes.CDLL):
-        self._functions = {dtype: getattr(library, f"rms_norm_{suffix}") for dtype, suffix in NAMES.items()}
+    SOURCE = Path(__file__).with_suffix(".cpp")
 
-    @classmethod
-    def load(cls, directory: Path | None = None) -> "tuple[CpuRmsNorm | None, str]":
-        """The kernel, built into `directory` (load_cpu_library's default: a per-user folder)
-        unless this machine's build is there; (None, why) where it cannot be."""
-        library, why = load_cpu_library(SOURCE, directory)
-        return (cls(library) if library else None), why
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = dtype_functions(library, "rms_norm")
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Semantics: out[r] = weight * to_dtype(x[r] / sqrt(mean(x[r]^2) + eps)), computed in fp32

@@ -14,28 +14,20 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import load_cpu_library
-
-SOURCE = Path(__file__).with_suffix(".cpp")
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from kernels.cpu_library import CompiledKernel, dtype_functions
 
 
 class _Rope(ctypes.Structure):  # Rope in the source
     _fields_ = [(name, ctypes.c_int64) for name in ("tokens", "heads", "head_dim", "row")]
 
 
-class CpuRope:
+class CpuRope(CompiledKernel):
     """The compiled kernel of one process."""
 
-    def __init__(self, library: ctypes.CDLL):
-        self._functions = {dtype: getattr(library, f"rope_{suffix}") for dtype, suffix in NAMES.items()}
+    SOURCE = Path(__file__).with_suffix(".cpp")
 
-    @classmethod
-    def load(cls, directory: Path | None = None) -> "tuple[CpuRope | None, str]":
-        """The kernel, built into `directory` (load_cpu_library's default: a per-user folder)
-        unless this machine's build is there; (None, why) where it cannot be."""
-        library, why = load_cpu_library(SOURCE, directory)
-        return (cls(library) if library else None), why
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = dtype_functions(library, "rope")
 
     def __call__(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int
