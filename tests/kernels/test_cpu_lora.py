@@ -25,8 +25,8 @@ from tests.kernels.slot_spread import SPREADS
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> CpuLora:
-    kernel, why = CpuLora.load(tmp_path_factory.mktemp("kernels"))
+def kernel() -> CpuLora:
+    kernel, why = CpuLora.load()  # the workers' folder: one build serves tests and engines
     assert kernel is not None, why
     return kernel
 
