@@ -14,7 +14,7 @@ from dataclasses import replace
 from bench.cache import default_model_dir
 from bench.engine_overhead import REQUESTS, prompt_ids
 from bench.peers import loramux_engine
-from bench.profile_decode import start_decoding
+from bench.profile_decode import median_step_seconds, start_decoding
 from inference_service.engine import Engine, Request
 from inference_service.sampling import SamplingParams
 
@@ -33,18 +33,13 @@ def prefill_seconds(engine: Engine, prompt: int) -> float:
 def decode_steps(engine: Engine, prompt: int, rounds: int) -> dict[str, float]:
     """Median decode step seconds per path, over rounds that alternate which path goes first."""
     kernels = engine.runner.cpu_kernels
+    paths = {"in place": kernels, "gathered": replace(kernels, decode_attention=None)}
     start_decoding(engine, [None] * REQUESTS, prompt, 2 * rounds * STEPS + 2)
     steps: dict[str, list[float]] = {path: [] for path in PATHS}
     for round_ in range(rounds):
         for path in PATHS[:: 1 if round_ % 2 == 0 else -1]:
-            gathered = replace(kernels, decode_attention=None)
-            engine.runner.cpu_kernels = kernels if path == "in place" else gathered
-            times = []
-            for _ in range(STEPS):
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
-            steps[path].append(statistics.median(times))
+            engine.runner.cpu_kernels = paths[path]
+            steps[path].append(median_step_seconds(engine, STEPS))
     engine.runner.cpu_kernels = kernels
     while engine.has_work:
         engine.step()

@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.cache import default_model_dir
 from bench.engine_overhead import REQUESTS, prompt_ids
 from bench.peers import loramux_engine
-from bench.profile_decode import start_decoding
+from bench.profile_decode import median_step_seconds, start_decoding
 from bench.random_adapter import write_random_adapter
 from inference_service.engine import Engine, Request
 from inference_service.sampling import SamplingParams
@@ -35,14 +35,9 @@ def decode_steps(engine: Engine, arms: dict[str, tuple[list[str | None], CpuKern
         for arm in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
             adapters, engine.runner.cpu_kernels = arms[arm]
             start_decoding(engine, adapters, PROMPT, STEPS + 2)
-            times = []
-            for _ in range(STEPS):
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
+            steps[arm].append(median_step_seconds(engine, STEPS))
             while engine.has_work:
                 engine.step()
-            steps[arm].append(statistics.median(times))
     return {arm: statistics.median(times) for arm, times in steps.items()}
 
 

@@ -6,6 +6,8 @@ CPU time. This is the profile behind the LoRA overhead figure.
 """
 
 import argparse
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -29,6 +31,16 @@ def start_decoding(engine: Engine, adapters: list[str | None], prompt: int, toke
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
     engine.step()  # the first decode step, kept out of what the caller measures
+
+
+def median_step_seconds(engine: Engine, steps: int) -> float:
+    """The median of `steps` engine steps' seconds, each timed alone."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def decode_profile(engine: Engine, adapters: list[str | None], steps: int) -> profile:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import DTYPE_NAMES, CompiledKernel
+from kernels.cpu_library import CompiledKernel, dtype_functions
 
 _SIZES = (
     "decodes",
@@ -38,7 +38,8 @@ class CpuDecodeAttention(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._library = library
+        self._scores = dtype_functions(library, "decode_scores")
+        self._values = dtype_functions(library, "decode_values")
 
     def __call__(
         self,
@@ -70,18 +71,18 @@ class CpuDecodeAttention(CompiledKernel):
             decodes, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
             block_tables.shape[1] * block_size, sliding_window or 0, q.stride(0), scale,
         )  # fmt: skip
-        name = DTYPE_NAMES[k_cache.dtype]
-        tables, contexts = block_tables, contexts.contiguous()
+        contexts = contexts.contiguous()
         scores = torch.empty(decodes, heads, shape.width)  # [decodes, heads, width]; -inf where unseen
-        self._run(f"decode_scores_{name}", shape, q, k_cache, tables, contexts, scores)
+        _run(self._scores[q.dtype], shape, q, k_cache, block_tables, contexts, scores)
         probs = torch.softmax(scores, dim=-1)  # [decodes, heads, width]
         out = torch.empty(decodes, heads, head_dim, dtype=q.dtype)  # [decodes, heads, hd]
-        self._run(f"decode_values_{name}", shape, probs, v_cache, tables, contexts, out)
+        _run(self._values[q.dtype], shape, probs, v_cache, block_tables, contexts, out)
         return out
 
-    def _run(self, function: str, shape: _Shape, *tensors: torch.Tensor) -> None:
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in tensors)
-        getattr(self._library, function)(ctypes.byref(shape), *pointers)
+
+def _run(function, shape: _Shape, *tensors: torch.Tensor) -> None:
+    pointers = (ctypes.c_void_p(t.data_ptr()) for t in tensors)
+    function(ctypes.byref(shape), *pointers)
 
 
 def cpu_decode_attention_ref(
