@@ -133,3 +133,10 @@ def test_tables_of_another_dtype_are_refused(kernel):
     q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.float32)
     with pytest.raises(AssertionError):
         kernel(q, k_cache, v_cache, tables.int(), contexts, 0.25, None)
+
+
+def test_queries_of_another_dtype_are_refused(kernel):
+    """The library reads q as the cache's dtype: fp32 queries over a bf16 cache would be misread."""
+    q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.bfloat16)
+    with pytest.raises(AssertionError):
+        kernel(q.float(), k_cache, v_cache, tables, contexts, 0.25, None)

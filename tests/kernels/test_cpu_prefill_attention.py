@@ -66,3 +66,10 @@ def test_queries_are_read_where_the_qkv_projection_left_them(kernel):
     view = rows[:, : heads * head_dim].view(tokens, heads, head_dim)
     got = kernel(view, k_cache, v_cache, tables, *lens, 0.2, None)
     _check(got, q, k_cache, v_cache, tables, lens, 0.2, None)
+
+
+def test_tables_of_another_dtype_are_refused(kernel):
+    """The library reads the metadata as int32: int64 tables would name other blocks, not fail."""
+    q, k_cache, v_cache, tables, lens, _ = _case(LONG, 1, 16, torch.float32)
+    with pytest.raises(AssertionError):
+        kernel(q, k_cache, v_cache, tables.long(), *lens, 0.2, None)
