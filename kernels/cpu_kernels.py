@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.cpu_decode_attention import CpuDecodeAttention
+from kernels.cpu_linear import CpuLinear
 from kernels.cpu_lora import CpuLora
 from kernels.cpu_prefill_attention import CpuPrefillAttention
 from kernels.cpu_rms_norm import CpuRmsNorm
@@ -14,13 +15,15 @@ from kernels.cpu_rope import CpuRope
 class CpuKernels:
     """Each kernel, or None where it could not be built: then its torch path runs (decodes and
     prefill chunks gather their blocks for SDPA; LoRA gathers pages for batched matmuls; rotary
-    embeddings and RMSNorm take torch's elementwise ops)."""
+    embeddings and RMSNorm take torch's elementwise ops; fp32 weights take oneDNN's blocked calls).
+    `linear` is bound into the weights when the model packs them, not chosen step by step."""
 
     decode_attention: CpuDecodeAttention | None = None
     prefill_attention: CpuPrefillAttention | None = None
     lora: CpuLora | None = None
     rope: CpuRope | None = None
     rms_norm: CpuRmsNorm | None = None
+    linear: CpuLinear | None = None
 
     @classmethod
     def load(cls, directory: Path | None = None) -> "tuple[CpuKernels, str]":
@@ -39,4 +42,5 @@ _TORCH_PATHS = {
     "lora": (CpuLora, "gathering pages for batched matmuls"),
     "rope": (CpuRope, "torch ops"),
     "rms_norm": (CpuRmsNorm, "torch ops"),
+    "linear": (CpuLinear, "oneDNN's matmuls, in blocks of inputs for fp32"),
 }

@@ -74,13 +74,13 @@ class ModelRunner:
         )
         load_weights(self.model, config.model)
         self.linear_weight_bytes = weight_bytes(self.model) + expert_weight_bytes(self.model)
-        self.model.pack()
+        self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" else CpuKernels()
+        self.model.pack(self.cpu_kernels.linear)
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
         self._vocab: dict[int, VocabPages] = {}  # and its vocabulary-side parts, if it has any
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
-        self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" else CpuKernels()
         self.ranks = (RankReport(self.parallel.shard.rank, **self.memory_report()),)  # the others: start
         self.graphs = None
         # An MoE step's expert tiles depend on its routing (read on the host): no graph replays

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_service.model.packed_weight import PackedWeight, packs
+from inference_service.model.packed_weight import PackedWeight, PanelWeight, packed
+from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import int8_linear, int8_linear_triton, quantize_int8_rows
 from kernels.nf4_linear import BLOCK, nf4_linear, nf4_linear_triton, quantize_nf4
 from shared.errors import FailedPrecondition, InvalidArgument
@@ -24,15 +25,16 @@ class DenseWeight(nn.Module):
     def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
-        self.packed: PackedWeight | None = None  # the weight in oneDNN's layout, once pack() ran
+        self.packed: PanelWeight | PackedWeight | None = None  # laid out for the CPU, once pack() ran
 
     def load_rows(self, offset: int, rows: torch.Tensor) -> None:
         self.weight[offset : offset + rows.shape[0]].copy_(rows)
 
-    def pack(self) -> None:
-        """Once loaded, on a CPU where packs(): the weight in oneDNN's layout, the dense copy let go."""
-        if packs(self.weight):
-            self.packed = PackedWeight.of(self.weight)
+    def pack(self, linear: CpuLinear | None) -> None:
+        """Once loaded, on a CPU: the weight laid out for its matmuls (packed_weight.packed), the
+        dense copy let go."""
+        self.packed = packed(self.weight, linear)
+        if self.packed is not None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,12 +11,13 @@ from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
 from inference_service.model.moe import SparseMoe
-from inference_service.model.packed_weight import PackedWeight, packs
+from inference_service.model.packed_weight import PackedWeight, PanelWeight, packed
 from inference_service.model.placement import Placement
 from inference_service.model.rope import apply_rope, cos_sin, inverse_frequencies
 from inference_service.model.shard import Shard
 from inference_service.model.vocab_adapters import VocabParts, add_embedding_terms, add_head_terms
 from inference_service.model.vocab_batch import VocabBatch
+from kernels.cpu_linear import CpuLinear
 from kernels.cpu_rms_norm import CpuRmsNorm
 from shared.model_config import ModelConfig
 
@@ -205,22 +206,22 @@ class LlamaModel(nn.Module):
         self.register_buffer(
             "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim).to(device), persistent=False
         )
-        self.packed_head: PackedWeight | None = None  # lm_head in oneDNN's layout, once pack() ran
+        self.packed_head: PanelWeight | PackedWeight | None = None  # lm_head for the CPU, once pack() ran
 
-    def pack(self) -> None:
-        """Once the weights are loaded, on a CPU: every dense linear weight and lm_head in oneDNN's
-        layout (packed_weight.packs). A tied head keeps its embedding dense beside the packed copy
-        (vocab x hidden more bytes); an own head is let go once packed."""
+    def pack(self, linear: CpuLinear | None) -> None:
+        """Once the weights are loaded, on a CPU: every dense linear weight and lm_head laid out for
+        its matmuls (packed_weight.packed; fp32 ones for `linear`, where it was built). A tied head
+        keeps its embedding dense beside the packed copy (vocab x hidden more bytes); an own head is
+        let go once packed."""
         for module in self.modules():
             if isinstance(module, DenseWeight):
-                module.pack()
-        if packs(self.lm_head):
-            self.packed_head = PackedWeight.of(self.lm_head)
-            if not self.cfg.tie_word_embeddings:
-                self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
+                module.pack(linear)
+        self.packed_head = packed(self.lm_head, linear)
+        if self.packed_head is not None and not self.cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
 
     def packed_bytes(self) -> int:
-        """Bytes of the weights pack() put in oneDNN's layout (outside parameters and buffers)."""
+        """Bytes of the weights pack() laid out for the CPU (outside parameters and buffers)."""
         weights = [m.packed for m in self.modules() if isinstance(m, DenseWeight)] + [self.packed_head]
         return sum(w.nbytes() for w in weights if w is not None)
 

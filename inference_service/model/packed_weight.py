@@ -1,36 +1,57 @@
-"""A dense linear weight in oneDNN's blocked layout, for the CPU's matmuls.
+"""A dense linear weight laid out for the CPU's matmuls, once loaded.
 
-At decode batch sizes oneDNN's packed matmul is 2 to 3 times torch's own fp32 matmul (MKL's sgemm)
-on one core. But its fp32 kernels sum each output over all of a layer's inputs in one pass, where
-MKL sums blocks of them apart and then adds the blocks: at 1,536 inputs (SmolLM2's down_proj)
-oneDNN's sums err about twice as far from the exact ones, and through 30 layers the default model's
-logits strayed further from the float64 reference than fp32 allows (tests/fp32_agreement.py). So an
-fp32 weight is packed in blocks of at most SUM_BLOCK inputs, and the output is the sum of the blocks'
-matmuls, each added to the last in oneDNN's own epilogue: a blocked sum, as accurate as MKL's and
-still 1.5 to 2 times as fast. In bf16 oneDNN sums in fp32 and rounds once, so that weight is one block
-(adding bf16 partial sums would round each).
+At decode batch sizes a packed matmul is 2 to 3 times torch's own fp32 matmul (MKL's sgemm). fp32
+weights are packed for kernels/cpu_linear.py, which sums each output SUM_BLOCK inputs at a time
+as MKL does (its docstring says why that matters). Where that kernel could not be built they take
+oneDNN's layout in blocks of at most SUM_BLOCK inputs, the output the sum of the blocks' matmuls,
+each added to the last in oneDNN's own epilogue: as accurate, and slower. bf16 weights take
+oneDNN's layout in one block: oneDNN sums in fp32 and rounds once (adding bf16 partial sums would
+round each), near these CPUs' bf16 peak.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_linear import SUM_BLOCK, CpuLinear
+
 # The rows oneDNN lays a packed weight out for (a decode batch); other row counts run on it too.
 PACK_ROWS = 32
-# Inputs an fp32 output sums in one oneDNN call. On a 2-core AMD EPYC (AVX-512) MKL's sgemm errs
-# exactly as far as this blocking does for 576 and 1,536 inputs; smaller blocks err less and cost
-# more calls.
-SUM_BLOCK = 192
 
 
-def packs(weight: torch.Tensor) -> bool:
-    """Whether a matmul with this weight runs on oneDNN, packed: on a CPU, in fp32, or in bf16
-    where the CPU has bf16 instructions."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype == torch.float32 or (
+def packed(weight: torch.Tensor, linear: CpuLinear | None) -> "PanelWeight | PackedWeight | None":
+    """weight [out, in] laid out for the CPU's matmuls: fp32 in `linear`'s panels, or in oneDNN's
+    blocks without it; bf16 in oneDNN's layout where the CPU has bf16 instructions. None on a GPU,
+    for fp16 and where torch has no oneDNN: then F.linear runs."""
+    weight = weight.detach()
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32 and linear is not None:
+        return PanelWeight(linear, linear.pack(weight), weight.shape[0])
+    if not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype == torch.float32 or (
         weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    ):
+        return PackedWeight.of(weight)
+    return None
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """An fp32 W [out, in] in kernels/cpu_linear.py's panels, multiplied by that kernel."""
+
+    kernel: CpuLinear
+    panels: torch.Tensor  # [ceil(out / columns), in, columns]
+    out: int
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, W, bias) for x [tokens, in]."""
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return self.kernel(x, self.panels, self.out, bias)  # [tokens, out]
+
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
 
 
 @dataclass(frozen=True)
@@ -42,8 +63,7 @@ class PackedWeight:
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> "PackedWeight":
-        """weight [out, in], fp32 or bf16 on a CPU where packs()."""
-        weight = weight.detach()
+        """weight [out, in], fp32 or bf16 on a CPU with oneDNN (bf16: with bf16 instructions)."""
         block = SUM_BLOCK if weight.dtype == torch.float32 else weight.shape[1]
         columns = weight.shape[1]
         spans = tuple((a, min(a + block, columns)) for a in range(0, columns, block))

@@ -1,11 +1,26 @@
-"""PackedWeight, the CPU's oneDNN matmul, against F.linear in float64: any input width (blocks of
-SUM_BLOCK and a shorter last one), with and without bias, fp32 and bf16."""
+"""packed(), the CPU's layouts for linear weights, against F.linear in float64: fp32 in the
+compiled kernel's panels, or in oneDNN's blocks where it is missing, both summing each output in
+blocks of SUM_BLOCK inputs as MKL does; bf16 in oneDNN's layout, one block rounded once."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_service.model.packed_weight import SUM_BLOCK, PackedWeight, packs
+from inference_service.model.packed_weight import SUM_BLOCK, PackedWeight, PanelWeight, packed
+from kernels.cpu_linear import CpuLinear
+
+
+@pytest.fixture(scope="module")
+def linear() -> CpuLinear:
+    kernel, why = CpuLinear.load()
+    assert kernel is not None, why
+    return kernel
+
+
+@pytest.fixture(params=["panels", "onednn"])
+def fp32_layout(request, linear) -> CpuLinear | None:
+    """The kernel packed() is given: the compiled one, or none (a machine without a compiler)."""
+    return linear if request.param == "panels" else None
 
 
 def worst_case_error(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -19,31 +34,51 @@ def worst_case_error(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return n * u / (1 - n * u) * magnitude  # [tokens, out]
 
 
+def test_each_dtype_gets_its_layout(linear):
+    weight = torch.randn(96, 64)
+    assert isinstance(packed(weight, linear), PanelWeight)
+    onednn = packed(weight, None)
+    assert isinstance(onednn, PackedWeight) and onednn.spans == ((0, 64),)
+    assert packed(weight.half(), linear) is None  # fp16: F.linear
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert isinstance(packed(weight.bfloat16(), linear), PackedWeight)
+
+
 @pytest.mark.parametrize("in_features", [64, SUM_BLOCK, 576, 1536, 1000])
 @pytest.mark.parametrize("tokens", [1, 32, 77])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp32_matches_linear(in_features, tokens, bias):
+def test_fp32_matches_linear(fp32_layout, in_features, tokens, bias):
     gen = torch.Generator().manual_seed(in_features * 100 + tokens)
     x = torch.randn(tokens, in_features, generator=gen)
     weight = torch.randn(96, in_features, generator=gen) / in_features**0.5
     b = torch.randn(96, generator=gen) if bias else None
-    assert packs(weight)
-    packed = PackedWeight.of(weight)
-    assert [a for a, _ in packed.spans] == list(range(0, in_features, SUM_BLOCK))
+    weights = packed(weight, fp32_layout)
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    error = (packed.linear(x, b).double() - expected).abs()
+    error = (weights.linear(x, b).double() - expected).abs()
     assert (error <= worst_case_error(x, weight, b)).all()
-    assert packed.nbytes() >= weight.numel() * 4
+    assert weights.nbytes() >= weight.numel() * 4
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_fp32_sums_each_block_of_inputs_apart(fp32_layout, tokens):
+    """Each output is 2^24 + 575 halves. Summed in one pass every half is lost to rounding (2^24 +
+    0.5 rounds back to 2^24); summed in blocks of 192, the first block's halves are, but the next
+    two blocks' sums (96 each) are added whole: 2^24 + 192, as MKL's sgemm computes it."""
+    x = torch.ones(tokens, 3 * SUM_BLOCK)
+    weight = torch.full((100, 3 * SUM_BLOCK), 0.5)  # 100 outputs: a partial last panel too
+    weight[:, 0] = 2.0**24
+    y = packed(weight, fp32_layout).linear(x, None)
+    assert (y == 2.0**24 + 2 * SUM_BLOCK / 2).all(), y.unique()
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 instructions")
-def test_bf16_is_one_block_rounded_once():
+def test_bf16_is_one_block_rounded_once(linear):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 1536, generator=gen).bfloat16()
     weight = (torch.randn(64, 1536, generator=gen) / 40).bfloat16()
-    packed = PackedWeight.of(weight)
-    assert packed.spans == ((0, 1536),)
-    y = packed.linear(x, None)
+    weights = packed(weight, linear)
+    assert weights.spans == ((0, 1536),)
+    y = weights.linear(x, None)
     exact = F.linear(x.double(), weight.double())
     # an fp32 sum rounded once to bf16: within half a bf16 ulp of the exact sum, plus fp32's error
     bound = exact.abs() * torch.finfo(torch.bfloat16).eps / 2 + worst_case_error(x, weight, None)

@@ -1,0 +1,95 @@
+"""fp32 linear layers on the CPU side by side: two engines of the default model in one process, one
+with its weights in the compiled kernel's panels (kernels/cpu_linear.py), the other in oneDNN's
+blocks of inputs (what a machine without a compiler runs; both sum each output in blocks of 192
+inputs). Decode step medians of the base model at several batch sizes of 32-token prompts, then the
+seconds to prefill 8 prompts of 512 tokens; the engines alternate in rounds and must agree on
+every token.
+
+    .venv/bin/python -m bench.cpu_linear [--batches 1 8 32 128] [--rounds 4]
+"""
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from unittest import mock
+
+from bench.cache import default_model_dir
+from bench.engine_overhead import prompt_ids
+from bench.peers import loramux_engine
+from bench.profile_decode import median_step_seconds, start_decoding
+from inference_service.engine import Engine, Request, model_runner
+from inference_service.sampling import SamplingParams
+from kernels.cpu_kernels import CpuKernels
+
+PROMPT, LONG_PROMPT, LONG_PROMPTS, STEPS = 32, 512, 8, 8
+
+
+def engines(model_dir: Path, batch: int) -> dict[str, Engine]:
+    """fp32 engines of up to `batch` requests: "kernel" with the compiled linear kernel, "oneDNN"
+    as a worker whose kernel could not be built."""
+    kernels, how = CpuKernels.load()
+    if kernels.linear is None:
+        raise SystemExit(f"no compiled linear kernel here ({how}): nothing to compare")
+    built = {"kernel": kernels, "oneDNN": replace(kernels, linear=None)}
+    made = {}
+    for arm, arm_kernels in built.items():
+        with mock.patch.object(model_runner, "_cpu_kernels", lambda k=arm_kernels: k):
+            made[arm] = loramux_engine(model_dir, "float32", batch, LONG_PROMPT + 8, [])
+    return made
+
+
+def decode_step(engine: Engine, batch: int) -> float:
+    start_decoding(engine, [None] * batch, PROMPT, STEPS + 2)
+    seconds = median_step_seconds(engine, STEPS)
+    while engine.has_work:
+        engine.step()
+    return seconds
+
+
+def prefill(engine: Engine) -> tuple[float, list[list[int]]]:
+    """Seconds to prefill LONG_PROMPTS prompts and draw one token each, and the tokens."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(
+        [Request(prompt_ids(i, LONG_PROMPT), None, params) for i in range(LONG_PROMPTS)]
+    )
+    return time.perf_counter() - start, [o.token_ids for o in outputs]
+
+
+def alternate(arms: dict[str, Engine], rounds: int, measure) -> dict[str, list]:
+    """measure(engine) for each arm, `rounds` times, the order reversed every other round."""
+    results: dict[str, list] = {arm: [] for arm in arms}
+    for round_ in range(rounds):
+        for arm in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
+            results[arm].append(measure(arms[arm]))
+    return results
+
+
+def _row(kernel: float, onednn: float) -> str:
+    return f"{kernel:8.2f} {onednn:8.2f}  {onednn / kernel:13.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    arms = engines(default_model_dir(), max(args.batches))
+    print("fp32 base decode, step ms (medians)    kernel   oneDNN  oneDNN/kernel")
+    for batch in args.batches:
+        step = alternate(arms, args.rounds, lambda engine, b=batch: decode_step(engine, b))
+        kernel, onednn = (statistics.median(step[arm]) * 1e3 for arm in ("kernel", "oneDNN"))
+        print(f"  batch {batch:3d}{'':27s}{_row(kernel, onednn)}")
+    runs = alternate(arms, args.rounds, prefill)
+    kernel, onednn = (statistics.median(s for s, _ in runs[arm]) for arm in ("kernel", "oneDNN"))
+    same = all(tokens == runs["oneDNN"][0][1] for _, tokens in runs["kernel"])
+    print(f"prefill {LONG_PROMPTS} x {LONG_PROMPT} tokens, s (medians)   {_row(kernel, onednn)}")
+    print(f"first tokens equal on both: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""cpu_linear: the CPU's fp32 matmul for linear layers, each output summed in blocks of inputs
+(kernels/cpu_linear.cpp).
+
+An fp32 sum of n products in one pass errs about n times fp32's unit roundoff; MKL's sgemm, which
+transformers runs, sums blocks of inputs apart and adds the blocks, so it errs far less at 1,536
+inputs, and our logits must stay as close to the float64 forward as its do (tests/fp32_agreement.py).
+oneDNN's packed matmul sums in one pass, so packed_weight.PackedWeight calls it once per block of
+inputs and pays for it: a decode step of 32 requests spent 28 ms in those calls against 21 ms in
+one-pass ones. This kernel sums the blocks in registers and adds each to the output as the tile
+ends: as exact as the blocked calls, and at decode batch sizes faster than oneDNN's one-pass
+matmul. The C++ source is compiled once per machine (kernels/cpu_library.py); where it cannot be,
+`CpuLinear.load` says why and returns None, and fp32 weights take oneDNN's blocked calls.
+"""
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_library import CompiledKernel
+
+# Inputs an output sums in registers before the sum is added to the output: MKL's sgemm errs about
+# as far at 576 and 1,536 inputs (measured on a 2-core AMD EPYC), smaller blocks err less.
+SUM_BLOCK = 192
+
+
+class _Linear(ctypes.Structure):  # Linear in the source
+    _names = ("rows", "out", "inputs", "x_stride", "y_stride", "panels", "block")
+    _fields_ = [(name, ctypes.c_int64) for name in _names]
+
+
+class CpuLinear(CompiledKernel):
+    """The compiled kernel of one process."""
+
+    SOURCE = Path(__file__).with_suffix(".cpp")
+
+    def __init__(self, library: ctypes.CDLL):
+        self._linear = library.linear_float32
+        library.linear_panel_columns.restype = ctypes.c_int64
+        self.columns = library.linear_panel_columns()  # the outputs a panel holds
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [out, in] fp32 -> panels [ceil(out / columns), in, columns]: panel p holds
+        weight[p * columns + c, k] at [p, k, c], rows past `out` zero."""
+        assert weight.dtype == torch.float32 and weight.device.type == "cpu"
+        out, inputs = weight.shape
+        panels = -(-out // self.columns)
+        padded = weight.new_zeros(panels * self.columns, inputs)  # [panels * columns, in]
+        padded[:out] = weight
+        return padded.view(panels, self.columns, inputs).transpose(1, 2).contiguous()  # [panels, in, columns]
+
+    def __call__(
+        self, x: torch.Tensor, panels: torch.Tensor, out: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """F.linear(x, W, bias) for x [tokens, in] fp32 (rows contiguous), panels = pack(W) of
+        W [out, in], bias [out] fp32 or None; each output's products summed SUM_BLOCK inputs at a
+        time, each block's sum added to the bias and the blocks before it."""
+        tokens, inputs = x.shape
+        assert x.dtype == panels.dtype == torch.float32 and x.stride(1) == 1
+        assert panels.shape == (-(-out // self.columns), inputs, self.columns) and panels.is_contiguous()
+        assert bias is None or (bias.dtype == torch.float32 and bias.shape == (out,) and bias.is_contiguous())
+        y = x.new_empty(tokens, out)  # [tokens, out]
+        shape = _Linear(tokens, out, inputs, x.stride(0), out, panels.shape[0], SUM_BLOCK)
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (x, panels))
+        bias_pointer = ctypes.c_void_p(None if bias is None else bias.data_ptr())
+        self._linear(ctypes.byref(shape), *pointers, bias_pointer, ctypes.c_void_p(y.data_ptr()))
+        return y

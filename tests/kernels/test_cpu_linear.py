@@ -1,0 +1,84 @@
+"""The CPU's fp32 linear kernel against F.linear in float64, within the bound of the blocked sum it
+makes: every row tile (8 rows, and 1 to 7 left), input blocks whole and cut short, panels whole and
+the last one partial, with and without bias, x read at its row stride. That it sums in blocks
+(and not in one pass) is asserted in tests/inference_service/model/test_packed_weight.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_linear import SUM_BLOCK, CpuLinear
+from tests.kernels.rounding import assert_within, gamma
+
+FP32 = 2.0**-24
+
+
+@pytest.fixture(scope="module")
+def kernel() -> CpuLinear:
+    kernel, why = CpuLinear.load()  # the workers' folder: one build serves tests and engines
+    assert kernel is not None, why
+    return kernel
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A product in a block goes through at most SUM_BLOCK roundings of the block's fused
+    multiply-adds, then the additions of the bias and of every block's sum: gamma(s) * sum |t|."""
+    inputs = x.shape[1]
+    s = (min(inputs, SUM_BLOCK) + -(-inputs // SUM_BLOCK) + 1) * FP32
+    absolute = None if bias is None else bias.abs().double()
+    magnitude = F.linear(x.abs().double(), weight.abs().double(), absolute)  # [tokens, out]
+    return gamma(s) * magnitude
+
+
+def _case(tokens: int, inputs: int, out: int, bias: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, inputs, generator=gen)
+    weight = torch.randn(out, inputs, generator=gen) / inputs**0.5
+    return x, weight, torch.randn(out, generator=gen) if bias else None
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 13, 77])
+@pytest.mark.parametrize("inputs", [17, SUM_BLOCK, SUM_BLOCK + 1, 1536])
+@pytest.mark.parametrize("out", [48, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_the_exact_product(kernel, tokens, inputs, out, bias):
+    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out)
+    y = kernel(x, kernel.pack(weight), out, b)
+    assert y.shape == (tokens, out) and y.dtype == torch.float32
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert_within(y, exact, _bound(x, weight, b))
+
+
+@pytest.mark.parametrize("tokens", range(1, 18))
+def test_every_count_of_rows_past_the_last_whole_tile(kernel, tokens):
+    x, weight, b = _case(tokens, 40, 50, True, tokens)
+    exact = F.linear(x.double(), weight.double(), b.double())
+    assert_within(kernel(x, kernel.pack(weight), 50, b), exact, _bound(x, weight, b))
+
+
+def test_rows_of_a_wider_tensor_are_read_at_their_stride(kernel):
+    x, weight, b = _case(11, 200, 60, True, 7)
+    wide = torch.full((11, 300), float("nan"))
+    wide[:, 50:250] = x
+    y = kernel(wide[:, 50:250], kernel.pack(weight), 60, b)
+    exact = F.linear(x.double(), weight.double(), b.double())
+    assert_within(y, exact, _bound(x, weight, b))
+
+
+def test_pack_pads_the_last_panel_with_zero_rows(kernel):
+    weight = torch.randn(100, 30)
+    panels = kernel.pack(weight)  # [3, 30, 48]
+    assert panels.shape == (-(-100 // kernel.columns), 30, kernel.columns)
+    assert torch.equal(panels.transpose(1, 2).reshape(-1, 30)[:100], weight)
+    assert not panels.transpose(1, 2).reshape(-1, 30)[100:].any()
+
+
+def test_other_dtypes_and_shapes_are_refused(kernel):
+    x, weight, _ = _case(4, 64, 48, False, 3)
+    panels = kernel.pack(weight)
+    with pytest.raises(AssertionError):
+        kernel(x.bfloat16(), panels, 48, None)
+    with pytest.raises(AssertionError):
+        kernel(x, panels, 96, None)  # panels of 48 outputs, not 96
+    with pytest.raises(AssertionError):
+        kernel(x, panels, 48, torch.zeros(48, dtype=torch.bfloat16))
