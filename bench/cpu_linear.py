@@ -1,11 +1,11 @@
-"""fp32 linear layers on the CPU side by side: two engines of the default model in one process, one
-with its weights in the compiled kernel's panels (kernels/cpu_linear.py), the other in oneDNN's
-blocks of inputs (what a machine without a compiler runs; both sum each output in blocks of 192
-inputs). Decode step medians of the base model at several batch sizes of 32-token prompts, then the
-seconds to prefill 8 prompts of 512 tokens; the engines alternate in rounds and must agree on
-every token.
+"""Linear layers on the CPU side by side: two engines of the default model in one process, one with
+its weights in the compiled kernel's panels (kernels/cpu_linear.py), the other in oneDNN's layout
+(what a machine without a compiler runs; fp32 in blocks of 192 inputs, as the kernel sums them).
+Decode step medians of the base model at several batch sizes of 32-token prompts, then the seconds
+to prefill 8 prompts of 512 tokens; the engines alternate in rounds. Whether their first tokens
+agree is printed (fp32: they should; bf16 may differ at a near tie).
 
-    .venv/bin/python -m bench.cpu_linear [--batches 1 8 32 128] [--rounds 4]
+    .venv/bin/python -m bench.cpu_linear [--dtypes float32 bfloat16] [--batches 1 8 32 128] [--rounds 4]
 """
 
 import argparse
@@ -17,7 +17,7 @@ from unittest import mock
 
 from bench.cache import default_model_dir
 from bench.engine_overhead import prompt_ids
-from bench.peers import loramux_engine
+from bench.peers import STEP_TOKENS, loramux_engine
 from bench.profile_decode import median_step_seconds, start_decoding
 from inference_service.engine import Engine, Request, model_runner
 from inference_service.sampling import SamplingParams
@@ -26,9 +26,9 @@ from kernels.cpu_kernels import CpuKernels
 PROMPT, LONG_PROMPT, LONG_PROMPTS, STEPS = 32, 512, 8, 8
 
 
-def engines(model_dir: Path, batch: int) -> dict[str, Engine]:
-    """fp32 engines of up to `batch` requests: "kernel" with the compiled linear kernel, "oneDNN"
-    as a worker whose kernel could not be built."""
+def engines(model_dir: Path, dtype: str, batch: int) -> dict[str, Engine]:
+    """Engines of up to `batch` requests: "kernel" with the compiled linear kernel, "oneDNN" as a
+    worker whose kernel could not be built."""
     kernels, how = CpuKernels.load()
     if kernels.linear is None:
         raise SystemExit(f"no compiled linear kernel here ({how}): nothing to compare")
@@ -36,12 +36,15 @@ def engines(model_dir: Path, batch: int) -> dict[str, Engine]:
     made = {}
     for arm, arm_kernels in built.items():
         with mock.patch.object(model_runner, "_cpu_kernels", lambda k=arm_kernels: k):
-            made[arm] = loramux_engine(model_dir, "float32", batch, LONG_PROMPT + 8, [])
+            made[arm] = loramux_engine(model_dir, dtype, batch, LONG_PROMPT + 8, [])
     return made
 
 
 def decode_step(engine: Engine, batch: int) -> float:
-    start_decoding(engine, [None] * batch, PROMPT, STEPS + 2)
+    """The median step with `batch` requests decoding: the first admitted have decoded a token
+    in each step that prefilled the rest, so they ask for that many more."""
+    prefill_steps = -(-batch * PROMPT // STEP_TOKENS)
+    start_decoding(engine, [None] * batch, PROMPT, STEPS + 2 + prefill_steps)
     seconds = median_step_seconds(engine, STEPS)
     while engine.has_work:
         engine.step()
@@ -67,6 +70,19 @@ def alternate(arms: dict[str, Engine], rounds: int, measure) -> dict[str, list]:
     return results
 
 
+def compare(arms: dict[str, Engine], dtype: str, batches: list[int], rounds: int) -> None:
+    print(f"{dtype:9s} base decode, step ms (medians)  kernel   oneDNN  oneDNN/kernel")
+    for batch in batches:
+        step = alternate(arms, rounds, lambda engine, b=batch: decode_step(engine, b))
+        kernel, onednn = (statistics.median(step[arm]) * 1e3 for arm in ("kernel", "oneDNN"))
+        print(f"  batch {batch:3d}{'':27s}{_row(kernel, onednn)}")
+    runs = alternate(arms, rounds, prefill)
+    kernel, onednn = (statistics.median(s for s, _ in runs[arm]) for arm in ("kernel", "oneDNN"))
+    same = all(tokens == runs["oneDNN"][0][1] for _, tokens in runs["kernel"])
+    print(f"prefill {LONG_PROMPTS} x {LONG_PROMPT} tokens, s (medians)   {_row(kernel, onednn)}")
+    print(f"first tokens equal on both: {same}")
+
+
 def _row(kernel: float, onednn: float) -> str:
     return f"{kernel:8.2f} {onednn:8.2f}  {onednn / kernel:13.3f}"
 
@@ -75,20 +91,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    arms = engines(default_model_dir(), max(args.batches))
-    print("fp32 base decode, step ms (medians)    kernel   oneDNN  oneDNN/kernel")
-    for batch in args.batches:
-        step = alternate(arms, args.rounds, lambda engine, b=batch: decode_step(engine, b))
-        kernel, onednn = (statistics.median(step[arm]) * 1e3 for arm in ("kernel", "oneDNN"))
-        print(f"  batch {batch:3d}{'':27s}{_row(kernel, onednn)}")
-    runs = alternate(arms, args.rounds, prefill)
-    kernel, onednn = (statistics.median(s for s, _ in runs[arm]) for arm in ("kernel", "oneDNN"))
-    same = all(tokens == runs["oneDNN"][0][1] for _, tokens in runs["kernel"])
-    print(f"prefill {LONG_PROMPTS} x {LONG_PROMPT} tokens, s (medians)   {_row(kernel, onednn)}")
-    print(f"first tokens equal on both: {same}")
+    for dtype in args.dtypes:
+        compare(engines(default_model_dir(), dtype, max(args.batches)), dtype, args.batches, args.rounds)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-// fp32 y = x W^T + b on the CPU, each output summed in blocks of inputs; built, loaded and
-// documented by kernels/cpu_linear.py. W is packed in panels of kCols outputs: panel p holds
-// W[p * kCols + c, k] at [p][k][c], its last panel padded with zero rows. A task is one panel and
-// every row of x: for each block of inputs it walks the rows kRows at a time, summing the block's
-// products in registers and adding that sum to the outputs, so the panel's block of W comes from
-// memory once and from L1 for every further tile of rows.
+// y = x W^T + b on the CPU for fp32 and bf16 weights; built, loaded and documented by
+// kernels/cpu_linear.py. W is packed in panels of kCols outputs: panel p holds W[p * kCols + c, k]
+// at [p][k][c] (bf16: inputs in pairs, at [p][k / 2][c][k % 2]), its last panel padded with zero
+// rows. A task is one panel and every row of x: for each block of inputs it walks the rows kRows
+// at a time, summing the block's products in fp32 registers and adding that sum to the outputs,
+// so the panel's block of W comes from memory once and from L1 for every further tile of rows.
+// fp32 sums blocks of s.block inputs; bf16 sums all inputs in one block and rounds once.
 #include <algorithm>
 #include <cstdint>
 
 #include "cpu_vec.h"
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -15,76 +19,124 @@ struct Linear {
     int64_t rows, out, inputs, x_stride, y_stride, panels, block;
 };
 
-constexpr int kPanelVecs = 3;
-constexpr int64_t kCols = kPanelVecs * kVec;  // a panel's outputs
-constexpr int kRows = 8;                      // rows a tile sums at once: 24 accumulators
+// The accumulators are the ISA's own vectors, so that a tile's stay in registers.
+#ifdef __AVX512F__
+typedef Vec Lanes;
+constexpr int kLanes = 16, kPanelVecs = 3, kRows = 8;  // 24 accumulators of 32 registers
+#else
+typedef float Lanes __attribute__((vector_size(32)));
+constexpr int kLanes = 8, kPanelVecs = 2, kRows = 6;  // AVX2: 12 of 16
+#endif
+constexpr int64_t kCols = kPanelVecs * kLanes;  // a panel's outputs, a multiple of kVec
+
+// Sums c to c + kVec of a row's accumulators, as a Vec.
+inline Vec sixteen(const Lanes* acc, int64_t c) {
+#ifdef __AVX512F__
+    return acc[c / kLanes];
+#else
+    const Lanes a = acc[c / kLanes], b = acc[c / kLanes + 1];
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
 
 // Where a block's sums start: the outputs so far, or for the first block the bias (or zero).
+template <typename T>
 struct Start {
-    const float* bias;
+    const T* bias;
     bool first;
 };
 
-// One block's sums of `count` inputs for R rows and one panel's `cols` outputs, added to y's.
-// x: the rows' inputs from the block's first one on; w: the panel from that input on.
-template <int R>
-void tile(const Linear& s, const float* x, const float* w, int64_t count, Start start, float* y, int64_t cols) {
-    Vec acc[R][kPanelVecs] = {};
-    for (int64_t k = 0; k < count; ++k) {
-        const float* wk = w + k * kCols;
-        const Vec b0 = load(wk), b1 = load(wk + kVec), b2 = load(wk + 2 * kVec);
-        for (int r = 0; r < R; ++r) {
-            const float a = x[r * s.x_stride + k];
-            acc[r][0] += a * b0;
-            acc[r][1] += a * b1;
-            acc[r][2] += a * b2;
+// x times the panel's weights for one step of inputs: one fp32 input, or a pair of bf16 ones.
+struct Fp32 {
+    using T = float;
+    static constexpr int64_t kStep = 1;
+    static int64_t block(const Linear& s) { return s.block; }
+    static void madd(Lanes* acc, const float* x, const float* w) {
+        for (int v = 0; v < kPanelVecs; ++v) acc[v] += *x * load_as<Lanes>(w + v * kLanes);
+    }
+};
+
+#ifdef __AVX512BF16__
+struct Bf16 {
+    using T = uint16_t;
+    static constexpr int64_t kStep = 2;
+    static int64_t block(const Linear& s) { return s.inputs; }  // bf16 outputs are rounded once
+    static void madd(Lanes* acc, const uint16_t* x, const uint16_t* w) {
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(load_as<int32_t>(x));
+        for (int v = 0; v < kPanelVecs; ++v) {
+            acc[v] = (Lanes)_mm512_dpbf16_ps((__m512)acc[v], pair, (__m512bh)load_as<__m512i>(w + 2 * v * kLanes));
         }
     }
-    for (int r = 0; r < R; ++r) {
-        float* yr = y + r * s.y_stride;
-        if (cols == kCols) {
-            for (int v = 0; v < kPanelVecs; ++v) {
-                float* yv = yr + v * kVec;
-                const Vec from = !start.first ? load(yv) : start.bias ? load(start.bias + v * kVec) : Vec{};
-                store(yv, from + acc[r][v]);
-            }
-        } else {  // the last panel's outputs
-            for (int64_t c = 0; c < cols; ++c) {
-                const float from = !start.first ? yr[c] : start.bias ? start.bias[c] : 0.0f;
-                yr[c] = from + acc[r][c / kVec][c % kVec];
-            }
-        }
+};
+#endif
+
+// to = from (or zero) + a row's sums, for a panel's outputs.
+template <typename T>
+void add_sums(const Lanes* sums, const T* from, T* to) {
+    for (int64_t c = 0; c < kCols; c += kVec) {
+        store(to + c, (from != nullptr ? load(from + c) : Vec{}) + sixteen(sums, c));
     }
 }
 
-// tile<R> over every row of x, the last rows in one smaller tile.
-void rows_tiles(const Linear& s, const float* x, const float* w, int64_t count, Start start, float* y, int64_t cols) {
+// One block's sums of `count` inputs for R rows and one panel's `cols` outputs, added to y's.
+// x: the rows' inputs from the block's first one on; w: the panel from that input on.
+template <typename Kind, int R, typename T = typename Kind::T>
+void tile(const Linear& s, const T* x, const T* w, int64_t count, Start<T> start, T* y, int64_t cols) {
+    Lanes acc[R][kPanelVecs] = {};
+    for (int64_t k = 0; k < count; k += Kind::kStep) {
+        const T* wk = w + k * kCols;
+        for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, wk);
+    }
+    for (int r = 0; r < R; ++r) {
+        T* yr = y + r * s.y_stride;
+        const T* from = !start.first ? yr : start.bias;
+        if (cols == kCols) {
+            add_sums(acc[r], from, yr);
+            continue;
+        }
+        T last[kCols] = {};  // the last panel's outputs, read and written through here
+        if (from != nullptr) std::copy(from, from + cols, last);
+        add_sums(acc[r], from != nullptr ? last : nullptr, last);
+        std::copy(last, last + cols, yr);
+    }
+}
+
+// tile over every row of x, the last rows in one smaller tile.
+template <typename Kind, typename T = typename Kind::T>
+void rows_tiles(const Linear& s, const T* x, const T* w, int64_t count, Start<T> start, T* y, int64_t cols) {
     int64_t m = 0;
     for (; m + kRows <= s.rows; m += kRows) {
-        tile<kRows>(s, x + m * s.x_stride, w, count, start, y + m * s.y_stride, cols);
+        tile<Kind, kRows>(s, x + m * s.x_stride, w, count, start, y + m * s.y_stride, cols);
     }
     x += m * s.x_stride;
     y += m * s.y_stride;
     switch (s.rows - m) {
         case 0: break;
-        case 1: tile<1>(s, x, w, count, start, y, cols); break;
-        case 2: tile<2>(s, x, w, count, start, y, cols); break;
-        case 3: tile<3>(s, x, w, count, start, y, cols); break;
-        case 4: tile<4>(s, x, w, count, start, y, cols); break;
-        case 5: tile<5>(s, x, w, count, start, y, cols); break;
-        case 6: tile<6>(s, x, w, count, start, y, cols); break;
-        default: tile<7>(s, x, w, count, start, y, cols); break;
+        case 1: tile<Kind, 1>(s, x, w, count, start, y, cols); break;
+        case 2: tile<Kind, 2>(s, x, w, count, start, y, cols); break;
+        case 3: tile<Kind, 3>(s, x, w, count, start, y, cols); break;
+        case 4: tile<Kind, 4>(s, x, w, count, start, y, cols); break;
+        case 5: tile<Kind, 5>(s, x, w, count, start, y, cols); break;
+        case 6: tile<Kind, 6>(s, x, w, count, start, y, cols); break;
+        default: tile<Kind, 7>(s, x, w, count, start, y, cols); break;
     }
 }
 
-void panel(const Linear& s, const float* x, const float* w, const float* bias, float* y, int64_t p) {
-    const int64_t cols = std::min(kCols, s.out - p * kCols);
+template <typename Kind, typename T = typename Kind::T>
+void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t p) {
+    const int64_t cols = std::min(kCols, s.out - p * kCols), block = Kind::block(s);
     w += p * s.inputs * kCols;
     bias = bias == nullptr ? nullptr : bias + p * kCols;
-    for (int64_t k = 0; k < s.inputs; k += s.block) {
-        const int64_t count = std::min(s.block, s.inputs - k);
-        rows_tiles(s, x + k, w + k * kCols, count, Start{bias, k == 0}, y + p * kCols, cols);
+    for (int64_t k = 0; k < s.inputs; k += block) {
+        const int64_t count = std::min(block, s.inputs - k);
+        rows_tiles<Kind>(s, x + k, w + k * kCols, count, Start<T>{bias, k == 0}, y + p * kCols, cols);
     }
+}
+
+template <typename Kind, typename T = typename Kind::T>
+void linear(const Linear* s, const T* x, const T* w, const T* bias, T* y) {
+#pragma omp parallel for schedule(static) if (s->rows * s->out * s->inputs > 1 << 18)
+    for (int64_t p = 0; p < s->panels; ++p) panel<Kind>(*s, x, w, bias, y, p);
 }
 
 }  // namespace
@@ -92,6 +144,12 @@ void panel(const Linear& s, const float* x, const float* w, const float* bias, f
 extern "C" int64_t linear_panel_columns() { return kCols; }
 
 extern "C" void linear_float32(const Linear* s, const float* x, const float* w, const float* bias, float* y) {
-#pragma omp parallel for schedule(static) if (s->rows * s->out * s->inputs > 1 << 18)
-    for (int64_t p = 0; p < s->panels; ++p) panel(*s, x, w, bias, y, p);
+    linear<Fp32>(s, x, w, bias, y);
 }
+
+#ifdef __AVX512BF16__
+extern "C" void linear_bfloat16(const Linear* s, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                uint16_t* y) {
+    linear<Bf16>(s, x, w, bias, y);
+}
+#endif

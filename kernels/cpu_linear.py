@@ -1,5 +1,4 @@
-"""cpu_linear: the CPU's fp32 matmul for linear layers, each output summed in blocks of inputs
-(kernels/cpu_linear.cpp).
+"""cpu_linear: the CPU's matmul for fp32 and bf16 linear layers (kernels/cpu_linear.cpp).
 
 An fp32 sum of n products in one pass errs about n times fp32's unit roundoff; MKL's sgemm, which
 transformers runs, sums blocks of inputs apart and adds the blocks, so it errs far less at 1,536
@@ -8,8 +7,10 @@ oneDNN's packed matmul sums in one pass, so packed_weight.PackedWeight calls it 
 inputs and pays for it: a decode step of 32 requests spent 28 ms in those calls against 21 ms in
 one-pass ones. This kernel sums the blocks in registers and adds each to the output as the tile
 ends: as exact as the blocked calls, and at decode batch sizes faster than oneDNN's one-pass
-matmul. The C++ source is compiled once per machine (kernels/cpu_library.py); where it cannot be,
-`CpuLinear.load` says why and returns None, and fp32 weights take oneDNN's blocked calls.
+matmul. bf16 weights, on CPUs with AVX512-BF16, take the same tiles with bf16 pair products
+(vdpbf16ps, oneDNN's instruction too), summed in fp32 over all inputs and rounded once. The C++
+source is compiled once per machine (kernels/cpu_library.py); where it cannot be, `CpuLinear.load`
+says why and returns None, and the weights take oneDNN's matmuls.
 """
 
 import ctypes
@@ -35,33 +36,46 @@ class CpuLinear(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._linear = library.linear_float32
+        self._functions = {torch.float32: library.linear_float32}
+        if hasattr(library, "linear_bfloat16"):  # built where the CPU has AVX512-BF16
+            self._functions[torch.bfloat16] = library.linear_bfloat16
         library.linear_panel_columns.restype = ctypes.c_int64
         self.columns = library.linear_panel_columns()  # the outputs a panel holds
 
+    def runs(self, weight: torch.Tensor) -> bool:
+        """Whether this kernel multiplies by `weight` [out, in]: fp32, or bf16 with an even number
+        of inputs where the CPU has AVX512-BF16."""
+        if weight.device.type != "cpu" or weight.dtype not in self._functions:
+            return False
+        return weight.dtype == torch.float32 or weight.shape[1] % 2 == 0
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [out, in] fp32 -> panels [ceil(out / columns), in, columns]: panel p holds
-        weight[p * columns + c, k] at [p, k, c], rows past `out` zero."""
-        assert weight.dtype == torch.float32 and weight.device.type == "cpu"
+        """weight [out, in] where runs() -> panels [ceil(out / columns), in, columns]: panel p holds
+        weight[p * columns + c, k] at [p, k, c] (bf16: at [p, k // 2, c, k % 2] of a view [p,
+        in / 2, columns, 2]), rows past `out` zero."""
+        assert self.runs(weight)
         out, inputs = weight.shape
         panels = -(-out // self.columns)
         padded = weight.new_zeros(panels * self.columns, inputs)  # [panels * columns, in]
         padded[:out] = weight
-        return padded.view(panels, self.columns, inputs).transpose(1, 2).contiguous()  # [panels, in, columns]
+        step = 1 if weight.dtype == torch.float32 else 2  # the inputs a product takes at once
+        pairs = padded.view(panels, self.columns, inputs // step, step).transpose(1, 2)
+        return pairs.contiguous().view(panels, inputs, self.columns)  # [panels, in, columns]
 
     def __call__(
         self, x: torch.Tensor, panels: torch.Tensor, out: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """F.linear(x, W, bias) for x [tokens, in] fp32 (rows contiguous), panels = pack(W) of
-        W [out, in], bias [out] fp32 or None; each output's products summed SUM_BLOCK inputs at a
-        time, each block's sum added to the bias and the blocks before it."""
+        """F.linear(x, W, bias) for x [tokens, in] (rows contiguous), panels = pack(W) of W [out,
+        in] and bias [out] or None, all of W's dtype. fp32 sums each output's products SUM_BLOCK
+        inputs at a time and adds each block's sum to the bias and the blocks before it; bf16 sums
+        them all in fp32, adds the bias and rounds once."""
         tokens, inputs = x.shape
-        assert x.dtype == panels.dtype == torch.float32 and x.stride(1) == 1
+        assert x.dtype == panels.dtype and x.dtype in self._functions and x.stride(1) == 1
         assert panels.shape == (-(-out // self.columns), inputs, self.columns) and panels.is_contiguous()
-        assert bias is None or (bias.dtype == torch.float32 and bias.shape == (out,) and bias.is_contiguous())
+        assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
         y = x.new_empty(tokens, out)  # [tokens, out]
         shape = _Linear(tokens, out, inputs, x.stride(0), out, panels.shape[0], SUM_BLOCK)
         pointers = (ctypes.c_void_p(t.data_ptr()) for t in (x, panels))
         bias_pointer = ctypes.c_void_p(None if bias is None else bias.data_ptr())
-        self._linear(ctypes.byref(shape), *pointers, bias_pointer, ctypes.c_void_p(y.data_ptr()))
+        self._functions[x.dtype](ctypes.byref(shape), *pointers, bias_pointer, ctypes.c_void_p(y.data_ptr()))
         return y

@@ -1,12 +1,13 @@
 """A dense linear weight laid out for the CPU's matmuls, once loaded.
 
 At decode batch sizes a packed matmul is 2 to 3 times torch's own fp32 matmul (MKL's sgemm). fp32
-weights are packed for kernels/cpu_linear.py, which sums each output SUM_BLOCK inputs at a time
-as MKL does (its docstring says why that matters). Where that kernel could not be built they take
+weights, and bf16 ones on CPUs with AVX512-BF16, are packed for kernels/cpu_linear.py, which sums
+fp32 outputs SUM_BLOCK inputs at a time as MKL does (its docstring says why that matters) and bf16
+ones in fp32 over all inputs, rounded once. Where that kernel could not be built, fp32 weights take
 oneDNN's layout in blocks of at most SUM_BLOCK inputs, the output the sum of the blocks' matmuls,
-each added to the last in oneDNN's own epilogue: as accurate, and slower. bf16 weights take
-oneDNN's layout in one block: oneDNN sums in fp32 and rounds once (adding bf16 partial sums would
-round each), near these CPUs' bf16 peak.
+each added to the last in oneDNN's own epilogue: as accurate, and slower; bf16 weights take
+oneDNN's layout in one block where the CPU has bf16 instructions (oneDNN sums in fp32 and rounds
+once; adding bf16 partial sums would round each).
 """
 
 from dataclasses import dataclass
@@ -20,13 +21,14 @@ PACK_ROWS = 32
 
 
 def packed(weight: torch.Tensor, linear: CpuLinear | None) -> "PanelWeight | PackedWeight | None":
-    """weight [out, in] laid out for the CPU's matmuls: fp32 in `linear`'s panels, or in oneDNN's
-    blocks without it; bf16 in oneDNN's layout where the CPU has bf16 instructions. None on a GPU,
-    for fp16 and where torch has no oneDNN: then F.linear runs."""
+    """weight [out, in] laid out for the CPU's matmuls: in `linear`'s panels where it runs (fp32,
+    and bf16 on CPUs with AVX512-BF16); else fp32 in oneDNN's blocks, bf16 in oneDNN's layout where
+    the CPU has bf16 instructions. None on a GPU, for fp16 and where torch has no oneDNN: then
+    F.linear runs."""
     weight = weight.detach()
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32 and linear is not None:
+    if linear is not None and linear.runs(weight):
         return PanelWeight(linear, linear.pack(weight), weight.shape[0])
     if not torch.backends.mkldnn.is_available():
         return None
@@ -39,7 +41,7 @@ def packed(weight: torch.Tensor, linear: CpuLinear | None) -> "PanelWeight | Pac
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """An fp32 W [out, in] in kernels/cpu_linear.py's panels, multiplied by that kernel."""
+    """A W [out, in] in kernels/cpu_linear.py's panels, multiplied by that kernel."""
 
     kernel: CpuLinear
     panels: torch.Tensor  # [ceil(out / columns), in, columns]

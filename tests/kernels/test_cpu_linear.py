@@ -1,14 +1,15 @@
-"""The CPU's fp32 linear kernel against F.linear in float64, within the bound of the blocked sum it
-makes: every row tile (8 rows, and 1 to 7 left), input blocks whole and cut short, panels whole and
-the last one partial, with and without bias, x read at its row stride. That it sums in blocks
-(and not in one pass) is asserted in tests/inference_service/model/test_packed_weight.py."""
+"""The CPU's linear kernel against F.linear in float64, within the bound of the sums it makes
+(fp32: blocked; bf16: one fp32 sum rounded once): every row tile (8 rows, and 1 to 7 left), input
+blocks whole and cut short, panels whole and the last one partial, with and without bias, x read
+at its row stride. That fp32 sums in blocks (and not in one pass) is asserted in
+tests/inference_service/model/test_packed_weight.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import SUM_BLOCK, CpuLinear
-from tests.kernels.rounding import assert_within, gamma
+from tests.kernels.rounding import assert_within, cast_error, gamma
 
 FP32 = 2.0**-24
 
@@ -20,65 +21,80 @@ def kernel() -> CpuLinear:
     return kernel
 
 
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=str)
+def dtype(request, kernel) -> torch.dtype:
+    if not kernel.runs(torch.empty(1, 2, dtype=request.param)):
+        pytest.skip(f"the kernel has no {request.param} path on this CPU (no AVX512-BF16)")
+    return request.param
+
+
 def _bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A product in a block goes through at most SUM_BLOCK roundings of the block's fused
-    multiply-adds, then the additions of the bias and of every block's sum: gamma(s) * sum |t|."""
+    """A product (exact in fp32, of fp32 or bf16 operands under a fused multiply-add) goes through
+    at most one rounding per input of its block's sum, then the additions of the bias and of every
+    block's sum (fp32: blocks of SUM_BLOCK; bf16: one block), then the cast to bf16: gamma(s) *
+    sum |t|."""
     inputs = x.shape[1]
-    s = (min(inputs, SUM_BLOCK) + -(-inputs // SUM_BLOCK) + 1) * FP32
+    block = SUM_BLOCK if x.dtype == torch.float32 else inputs
+    s = (min(inputs, block) + -(-inputs // block) + 1) * FP32
+    s += 0 if x.dtype == torch.float32 else cast_error(x.dtype)
     absolute = None if bias is None else bias.abs().double()
     magnitude = F.linear(x.abs().double(), weight.abs().double(), absolute)  # [tokens, out]
     return gamma(s) * magnitude
 
 
-def _case(tokens: int, inputs: int, out: int, bias: bool, seed: int):
+def _case(tokens: int, inputs: int, out: int, bias: bool, seed: int, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, inputs, generator=gen)
-    weight = torch.randn(out, inputs, generator=gen) / inputs**0.5
-    return x, weight, torch.randn(out, generator=gen) if bias else None
+    x = torch.randn(tokens, inputs, generator=gen).to(dtype)
+    weight = (torch.randn(out, inputs, generator=gen) / inputs**0.5).to(dtype)
+    return x, weight, torch.randn(out, generator=gen).to(dtype) if bias else None
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 13, 77])
-@pytest.mark.parametrize("inputs", [17, SUM_BLOCK, SUM_BLOCK + 1, 1536])
+@pytest.mark.parametrize("inputs", [18, SUM_BLOCK, SUM_BLOCK + 2, 1536])
 @pytest.mark.parametrize("out", [48, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_the_exact_product(kernel, tokens, inputs, out, bias):
-    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out)
+def test_linear_matches_the_exact_product(kernel, dtype, tokens, inputs, out, bias):
+    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out, dtype)
     y = kernel(x, kernel.pack(weight), out, b)
-    assert y.shape == (tokens, out) and y.dtype == torch.float32
+    assert y.shape == (tokens, out) and y.dtype == dtype
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert_within(y, exact, _bound(x, weight, b))
 
 
 @pytest.mark.parametrize("tokens", range(1, 18))
-def test_every_count_of_rows_past_the_last_whole_tile(kernel, tokens):
-    x, weight, b = _case(tokens, 40, 50, True, tokens)
+def test_every_count_of_rows_past_the_last_whole_tile(kernel, dtype, tokens):
+    x, weight, b = _case(tokens, 40, 50, True, tokens, dtype)
     exact = F.linear(x.double(), weight.double(), b.double())
     assert_within(kernel(x, kernel.pack(weight), 50, b), exact, _bound(x, weight, b))
 
 
-def test_rows_of_a_wider_tensor_are_read_at_their_stride(kernel):
-    x, weight, b = _case(11, 200, 60, True, 7)
-    wide = torch.full((11, 300), float("nan"))
+def test_rows_of_a_wider_tensor_are_read_at_their_stride(kernel, dtype):
+    x, weight, b = _case(11, 200, 60, True, 7, dtype)
+    wide = torch.full((11, 300), float("nan"), dtype=dtype)
     wide[:, 50:250] = x
     y = kernel(wide[:, 50:250], kernel.pack(weight), 60, b)
     exact = F.linear(x.double(), weight.double(), b.double())
     assert_within(y, exact, _bound(x, weight, b))
 
 
-def test_pack_pads_the_last_panel_with_zero_rows(kernel):
-    weight = torch.randn(100, 30)
+def test_pack_pads_the_last_panel_with_zero_rows(kernel, dtype):
+    weight = torch.randn(100, 30).to(dtype)
     panels = kernel.pack(weight)  # [3, 30, 48]
     assert panels.shape == (-(-100 // kernel.columns), 30, kernel.columns)
-    assert torch.equal(panels.transpose(1, 2).reshape(-1, 30)[:100], weight)
-    assert not panels.transpose(1, 2).reshape(-1, 30)[100:].any()
+    step = 1 if dtype == torch.float32 else 2  # bf16: inputs in pairs
+    rows = panels.view(panels.shape[0], 30 // step, kernel.columns, step).transpose(1, 2).reshape(-1, 30)
+    assert torch.equal(rows[:100], weight)
+    assert not rows[100:].any()
 
 
 def test_other_dtypes_and_shapes_are_refused(kernel):
     x, weight, _ = _case(4, 64, 48, False, 3)
     panels = kernel.pack(weight)
     with pytest.raises(AssertionError):
-        kernel(x.bfloat16(), panels, 48, None)
+        kernel(x.bfloat16(), panels, 48, None)  # x of another dtype than the weight's
     with pytest.raises(AssertionError):
         kernel(x, panels, 96, None)  # panels of 48 outputs, not 96
     with pytest.raises(AssertionError):
         kernel(x, panels, 48, torch.zeros(48, dtype=torch.bfloat16))
+    assert not kernel.runs(torch.zeros(4, 63, dtype=torch.bfloat16))  # inputs not in pairs
+    assert not kernel.runs(torch.zeros(4, 64, dtype=torch.float16))

@@ -1,6 +1,7 @@
 """packed(), the CPU's layouts for linear weights, against F.linear in float64: fp32 in the
 compiled kernel's panels, or in oneDNN's blocks where it is missing, both summing each output in
-blocks of SUM_BLOCK inputs as MKL does; bf16 in oneDNN's layout, one block rounded once."""
+blocks of SUM_BLOCK inputs as MKL does; bf16 in the kernel's panels or oneDNN's layout, one fp32
+sum rounded once."""
 
 import pytest
 import torch
@@ -40,8 +41,11 @@ def test_each_dtype_gets_its_layout(linear):
     onednn = packed(weight, None)
     assert isinstance(onednn, PackedWeight) and onednn.spans == ((0, 64),)
     assert packed(weight.half(), linear) is None  # fp16: F.linear
+    if linear.runs(weight.bfloat16()):
+        assert isinstance(packed(weight.bfloat16(), linear), PanelWeight)
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert isinstance(packed(weight.bfloat16(), linear), PackedWeight)
+        assert isinstance(packed(weight.bfloat16(), None), PackedWeight)
+        assert isinstance(packed(weight[:, :63].bfloat16(), linear), PackedWeight)  # odd inputs
 
 
 @pytest.mark.parametrize("in_features", [64, SUM_BLOCK, 576, 1536, 1000])
@@ -71,13 +75,15 @@ def test_fp32_sums_each_block_of_inputs_apart(fp32_layout, tokens):
     assert (y == 2.0**24 + 2 * SUM_BLOCK / 2).all(), y.unique()
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 instructions")
-def test_bf16_is_one_block_rounded_once(linear):
+@pytest.mark.parametrize("layout", ["panels", "onednn"])
+def test_bf16_is_one_block_rounded_once(linear, layout):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 1536, generator=gen).bfloat16()
     weight = (torch.randn(64, 1536, generator=gen) / 40).bfloat16()
-    weights = packed(weight, linear)
-    assert weights.spans == ((0, 1536),)
+    weights = packed(weight, linear if layout == "panels" else None)
+    if weights is None or (layout == "panels") != isinstance(weights, PanelWeight):
+        pytest.skip(f"no bf16 {layout} on this CPU")
+    assert layout == "panels" or weights.spans == ((0, 1536),)
     y = weights.linear(x, None)
     exact = F.linear(x.double(), weight.double())
     # an fp32 sum rounded once to bf16: within half a bf16 ulp of the exact sum, plus fp32's error
