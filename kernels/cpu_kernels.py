@@ -15,7 +15,7 @@ from kernels.cpu_rope import CpuRope
 class CpuKernels:
     """Each kernel, or None where it could not be built: then its torch path runs (decodes and
     prefill chunks gather their blocks for SDPA; LoRA gathers pages for batched matmuls; rotary
-    embeddings and RMSNorm take torch's elementwise ops; fp32 weights take oneDNN's blocked calls).
+    embeddings and RMSNorm take torch's elementwise ops; linear layers take oneDNN's matmuls).
     `linear` is bound into the weights when the model packs them, not chosen step by step."""
 
     decode_attention: CpuDecodeAttention | None = None

@@ -210,7 +210,7 @@ class LlamaModel(nn.Module):
 
     def pack(self, linear: CpuLinear | None) -> None:
         """Once the weights are loaded, on a CPU: every dense linear weight and lm_head laid out for
-        its matmuls (packed_weight.packed; fp32 ones for `linear`, where it was built). A tied head
+        its matmuls (packed_weight.packed: for `linear` where it was built and runs). A tied head
         keeps its embedding dense beside the packed copy (vocab x hidden more bytes); an own head is
         let go once packed."""
         for module in self.modules():
