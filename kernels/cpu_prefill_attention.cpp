@@ -38,6 +38,17 @@ inline Vec exp2_vec(Vec x) {
     return p * load_as<Vec>(&bits);
 }
 
+inline float lane_max(Vec v) {  // halves compared pairwise, as lane_sum adds them
+    typedef float Vec8 __attribute__((vector_size(32)));
+    typedef float Vec4 __attribute__((vector_size(16)));
+    const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const Vec8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec8 v8 = a > b ? a : b;
+    const Vec4 c = __builtin_shufflevector(v8, v8, 0, 1, 2, 3), d = __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+    const Vec4 v4 = c > d ? c : d;
+    return std::max(std::max(v4[0], v4[2]), std::max(v4[1], v4[3]));
+}
+
 // One chunk's keys and values of one KV head, fp32, gathered once for all of its tasks: K
 // transposed [width, stride] (a dim's keys contiguous), V [stride, width]; stride: the context
 // padded to whole steps of kKeys keys (zeros past it), width: head_dim padded to whole vectors.
@@ -89,13 +100,43 @@ void scores(const Prefill& p, const Task& t, int64_t m0, int64_t k0, int64_t end
         }
     }
     const int64_t cached = p.contexts[t.chunk] - p.lens[t.chunk];
+    typedef int32_t Ints __attribute__((vector_size(64)));
+    const Ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int r = 0; r < kTile; ++r) {
-        for (int j = 0; j < kKeys / kVec; ++j) std::memcpy(s[r] + j * kVec, &acc[r][j], sizeof(Vec));
         const int64_t pos = cached + t.first_row + m[r] / p.group;
         const int64_t low = p.window > 0 ? pos - p.window + 1 : 0, high = std::min(pos + 1, end);
-        for (int64_t k = 0; k < kKeys; ++k) {
-            if (k0 + k < low || k0 + k >= high) s[r][k] = -INFINITY;
+        const bool seen = k0 >= low && k0 + kKeys <= high;  // every key of the step: nothing masked
+        for (int j = 0; j < kKeys / kVec; ++j) {
+            const Ints key = lane + static_cast<int32_t>(k0 + j * kVec);
+            const Ints outside = (key < static_cast<int32_t>(low)) | (key >= static_cast<int32_t>(high));
+            const Vec masked = outside ? Vec{} - INFINITY : acc[r][j];
+            std::memcpy(s[r] + j * kVec, seen ? &acc[r][j] : &masked, sizeof(Vec));
         }
+    }
+}
+
+// out[m0 + r][d, d + V * kVec) = out * scale[r] + s[r] . values, for the n pairs from m0: V
+// vectors of each pair's output at once, so that 4 V sums are in flight at every key.
+template <int V>
+void add_values(Task& t, int64_t m0, int64_t n, int64_t d, int64_t k0, const float s[kTile][kKeys],
+                const float scale[kTile]) {
+    const Keys& keys = *t.keys;
+    Vec acc[kTile][V];
+    for (int r = 0; r < kTile; ++r) {
+        const float* out = t.out.data() + (m0 + r) * keys.width + d;
+        for (int j = 0; j < V; ++j) acc[r][j] = r < n ? load(out + j * kVec) * scale[r] : Vec{};
+    }
+    for (int64_t k = 0; k < kKeys; ++k) {
+        const float* row = keys.v.data() + (k0 + k) * keys.width + d;
+        Vec v[V];
+        for (int j = 0; j < V; ++j) v[j] = load(row + j * kVec);
+        for (int r = 0; r < kTile; ++r) {
+            for (int j = 0; j < V; ++j) acc[r][j] += s[r][k] * v[j];
+        }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+        float* out = t.out.data() + (m0 + r) * keys.width + d;
+        for (int j = 0; j < V; ++j) std::memcpy(out + j * kVec, &acc[r][j], sizeof(Vec));
     }
 }
 
@@ -107,8 +148,12 @@ void accumulate(Task& t, int64_t m0, int64_t k0, float s[kTile][kKeys]) {
     float scale[kTile] = {};
     for (int64_t r = 0; r < n; ++r) {
         const int64_t m = m0 + r;
-        float top = t.max[m];
-        for (int64_t k = 0; k < kKeys; ++k) top = std::max(top, s[r][k]);
+        Vec x[kKeys / kVec], most = Vec{} + t.max[m];
+        for (int j = 0; j < kKeys / kVec; ++j) {
+            std::memcpy(&x[j], s[r] + j * kVec, sizeof(Vec));
+            most = x[j] > most ? x[j] : most;
+        }
+        const float top = lane_max(most);
         if (top == -INFINITY) {  // nothing seen yet: its weights are all 0
             std::fill(s[r], s[r] + kKeys, 0.0f);
             scale[r] = 1.0f;
@@ -116,25 +161,17 @@ void accumulate(Task& t, int64_t m0, int64_t k0, float s[kTile][kKeys]) {
         }
         scale[r] = t.max[m] == -INFINITY ? 0.0f : exp2_vec(Vec{} + (t.max[m] - top))[0];
         t.max[m] = top;
-        float total = 0.0f;
-        for (int64_t k = 0; k < kKeys; k += kVec) {
-            Vec x;
-            std::memcpy(&x, s[r] + k, sizeof x);
-            const Vec w = x == -INFINITY ? Vec{} : exp2_vec(x - top);
-            std::memcpy(s[r] + k, &w, sizeof w);
-            total += lane_sum(w);
+        Vec total = {};
+        for (int j = 0; j < kKeys / kVec; ++j) {
+            const Vec w = x[j] == -INFINITY ? Vec{} : exp2_vec(x[j] - top);
+            std::memcpy(s[r] + j * kVec, &w, sizeof w);
+            total += w;
         }
-        t.sum[m] = t.sum[m] * scale[r] + total;
+        t.sum[m] = t.sum[m] * scale[r] + lane_sum(total);
     }
-    for (int64_t d = 0; d < keys.width; d += kVec) {
-        Vec acc[kTile];
-        for (int64_t r = 0; r < kTile; ++r) acc[r] = r < n ? load(t.out.data() + (m0 + r) * keys.width + d) * scale[r] : Vec{};
-        for (int64_t k = 0; k < kKeys; ++k) {
-            const Vec v = load(keys.v.data() + (k0 + k) * keys.width + d);
-            for (int r = 0; r < kTile; ++r) acc[r] += s[r][k] * v;
-        }
-        for (int64_t r = 0; r < n; ++r) std::memcpy(t.out.data() + (m0 + r) * keys.width + d, &acc[r], sizeof(Vec));
-    }
+    int64_t d = 0;
+    for (; d + 4 * kVec <= keys.width; d += 4 * kVec) add_values<4>(t, m0, n, d, k0, s, scale);
+    for (; d < keys.width; d += kVec) add_values<1>(t, m0, n, d, k0, s, scale);
 }
 
 template <typename T>
