@@ -9,13 +9,15 @@ from kernels.cpu_lora import CpuLora
 from kernels.cpu_prefill_attention import CpuPrefillAttention
 from kernels.cpu_rms_norm import CpuRmsNorm
 from kernels.cpu_rope import CpuRope
+from kernels.cpu_swiglu import CpuSwiglu
 
 
 @dataclass(frozen=True)
 class CpuKernels:
     """Each kernel, or None where it could not be built: then its torch path runs (decodes and
     prefill chunks gather their blocks for SDPA; LoRA gathers pages for batched matmuls; rotary
-    embeddings and RMSNorm take torch's elementwise ops; linear layers take oneDNN's matmuls).
+    embeddings, RMSNorm and SwiGLU take torch's elementwise ops; linear layers take oneDNN's
+    matmuls).
     `linear` is bound into the weights when the model packs them, not chosen step by step."""
 
     decode_attention: CpuDecodeAttention | None = None
@@ -23,6 +25,7 @@ class CpuKernels:
     lora: CpuLora | None = None
     rope: CpuRope | None = None
     rms_norm: CpuRmsNorm | None = None
+    swiglu: CpuSwiglu | None = None
     linear: CpuLinear | None = None
 
     @classmethod
@@ -42,5 +45,6 @@ _TORCH_PATHS = {
     "lora": (CpuLora, "gathering pages for batched matmuls"),
     "rope": (CpuRope, "torch ops"),
     "rms_norm": (CpuRmsNorm, "torch ops"),
+    "swiglu": (CpuSwiglu, "torch ops"),
     "linear": (CpuLinear, "oneDNN's matmuls, in blocks of inputs for fp32"),
 }

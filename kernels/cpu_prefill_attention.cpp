@@ -15,28 +15,12 @@ namespace {
 constexpr int64_t kRows = 16;  // query rows per task
 constexpr int64_t kKeys = 64;  // keys per step of the online softmax: four vectors
 constexpr int kTile = 4;  // (row, head) pairs per register tile
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct Prefill {
     int64_t chunks, kv_heads, group, head_dim, block_size, table_width, q_stride, out_stride, window;
     float scale;
     const int32_t *tables, *starts, *lens, *contexts;
 };
-
-// 2^x, to about an ulp: 2^round(x) times a degree-7 Taylor polynomial of 2^f, |f| <= 1/2.
-inline Vec exp2_vec(Vec x) {
-    const Vec t = x < -126.0f ? Vec{} - 126.0f : x;  // masked scores (-inf) come out 2^-126; callers zero them
-    const Vec magic = Vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    const Vec n = (t + magic) - magic;
-    const Vec f = t - n;
-    constexpr float c[] = {1.0f, 0.6931471806f, 0.2402265070f, 0.0555041087f,
-                           0.0096181291f, 0.0013333558f, 0.0001540353f, 0.0000152527f};
-    Vec p = Vec{} + c[7];
-    for (int i = 6; i >= 0; --i) p = p * f + c[i];
-    typedef int32_t Ints __attribute__((vector_size(64)));
-    const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-    return p * load_as<Vec>(&bits);
-}
 
 inline float lane_max(Vec v) {  // halves compared pairwise, as lane_sum adds them
     typedef float Vec8 __attribute__((vector_size(32)));

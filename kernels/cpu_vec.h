@@ -82,3 +82,22 @@ inline float lane_sum(Vec v) {  // halves added pairwise: four shuffles, not six
     const Vec4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
     return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x, to about an ulp: 2^round(x) times a degree-7 Taylor polynomial of 2^f, |f| <= 1/2. Below
+// -126 it is 2^-126 (masked scores, -inf, come out so: callers zero them); from 128 on, inf.
+inline Vec exp2_vec(Vec x) {
+    Vec t = x < -126.0f ? Vec{} - 126.0f : x;
+    t = t > 128.0f ? Vec{} + 128.0f : t;
+    const Vec magic = Vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    const Vec n = (t + magic) - magic;
+    const Vec f = t - n;
+    constexpr float c[] = {1.0f, 0.6931471806f, 0.2402265070f, 0.0555041087f,
+                           0.0096181291f, 0.0013333558f, 0.0001540353f, 0.0000152527f};
+    Vec p = Vec{} + c[7];
+    for (int i = 6; i >= 0; --i) p = p * f + c[i];
+    typedef int32_t Ints __attribute__((vector_size(64)));
+    const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+    return p * load_as<Vec>(&bits);
+}

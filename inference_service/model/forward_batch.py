@@ -10,6 +10,7 @@ from inference_service.model.vocab_batch import VocabBatch, VocabPages
 from kernels.cpu_kernels import CpuKernels
 from kernels.cpu_rms_norm import CpuRmsNorm
 from kernels.cpu_rope import CpuRope
+from kernels.cpu_swiglu import CpuSwiglu
 from kernels.lora_batch import AdapterPages, LoraBatch
 
 
@@ -36,6 +37,7 @@ class ForwardBatch:
     vocab: VocabBatch | None = None  # None when no token's adapter has vocabulary-side parts
     rope: CpuRope | None = None  # the compiled CPU kernel for rotary embeddings (None: torch's ops)
     norm: CpuRmsNorm | None = None  # and for the hidden states' RMSNorm
+    swiglu: CpuSwiglu | None = None  # and for the MLP's silu(gate) * up
 
     @classmethod
     def build(
@@ -87,4 +89,5 @@ class ForwardBatch:
             ),
             rope=None if kernels else cpu.rope,
             norm=None if kernels else cpu.rms_norm,
+            swiglu=None if kernels else cpu.swiglu,
         )

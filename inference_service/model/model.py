@@ -145,8 +145,13 @@ class MLP(nn.Module):
         self.down_proj = place.linear(inter, (cfg.hidden_size,), down_bias, down_memory, "row")
 
     def forward(self, x, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)  # [tokens, inter] each
-        return self.parallel.all_reduce(self.down_proj(F.silu(gate) * up, batch.lora))
+        gate_up = self.gate_up_proj(x, batch.lora)  # [tokens, 2 inter]
+        if batch.swiglu is not None:
+            act = batch.swiglu(gate_up)  # [tokens, inter]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # [tokens, inter] each
+            act = F.silu(gate) * up  # [tokens, inter]
+        return self.parallel.all_reduce(self.down_proj(act, batch.lora))
 
 
 class DecoderLayer(nn.Module):

@@ -2,10 +2,14 @@
 PEFT's (`adapter_names=`) as closely as fp32 allows (tests/fp32_agreement.py), for prefill and for
 decode steps."""
 
+from dataclasses import fields
+from unittest import mock
+
 import pytest
 import torch
 
 from inference_service.adapters.adapter_image import AdapterImage
+from inference_service.engine import model_runner
 from inference_service.engine.adapter_memory import AdapterMemory
 from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
@@ -115,16 +119,18 @@ def _runner(
 @pytest.mark.parametrize("path", ["compiled", "torch", "triton"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
 def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, path, tiny_models, tiny_adapters):
-    """On the CPU with the compiled kernels (decode attention and LoRA, as a CPU worker runs), on
-    the torch path a CPU without a compiler takes (blocks and pages gathered for SDPA and batched
-    matmuls), and on the Triton kernels' path (attention and LoRA; in the interpreter here,
-    compiled on a GPU)."""
+    """On the CPU with every compiled kernel (as a CPU worker runs), on the torch path a CPU
+    without a compiler takes (blocks and pages gathered for SDPA and batched matmuls, torch's
+    elementwise ops, weights in oneDNN's layout), and on the Triton kernels' path (attention and
+    LoRA; in the interpreter here, compiled on a GPU)."""
     adapter_dirs = tiny_adapters[model_type]
     reference = Peft(tiny_models[model_type], adapter_dirs)
-    runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
-    assert runner.cpu_kernels.lora is not None and runner.cpu_kernels.decode_attention is not None
-    if path == "torch":
-        runner.cpu_kernels = CpuKernels()
+    if path == "torch":  # no kernel built: the weights are packed without one too
+        with mock.patch.object(model_runner, "_cpu_kernels", CpuKernels):
+            runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
+    else:
+        runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
+        assert all(getattr(runner.cpu_kernels, kernel.name) is not None for kernel in fields(CpuKernels))
     kernels = path == "triton"
     assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=1, kernels=kernels)
 
