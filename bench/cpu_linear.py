@@ -72,6 +72,8 @@ def alternate(arms: dict[str, Engine], rounds: int, measure) -> dict[str, list]:
 
 def compare(arms: dict[str, Engine], dtype: str, batches: list[int], rounds: int) -> None:
     print(f"{dtype:9s} base decode, step ms (medians)  kernel   oneDNN  oneDNN/kernel")
+    # a warm-up round each, dropped
+    alternate(arms, 2, lambda engine: decode_step(engine, batches[0]))
     for batch in batches:
         step = alternate(arms, rounds, lambda engine, b=batch: decode_step(engine, b))
         kernel, onednn = (statistics.median(step[arm]) * 1e3 for arm in ("kernel", "oneDNN"))
