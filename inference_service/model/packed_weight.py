@@ -53,7 +53,10 @@ class PanelWeight:
         return self.kernel(x, self.panels, self.out, bias)  # [tokens, out]
 
     def nbytes(self) -> int:
-        return self.panels.numel() * self.panels.element_size()
+        """W's bytes, its last panel's padding rows left out (as a tensor-parallel rank's half of a
+        weight holds half of them; at most columns - 1 rows a weight, none at the default model's
+        shapes)."""
+        return self.out * self.panels.shape[1] * self.panels.element_size()
 
 
 @dataclass(frozen=True)
