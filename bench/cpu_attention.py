@@ -8,26 +8,16 @@ seconds the engine takes to prefill the requests' prompts. 32 requests on the de
 
 import argparse
 import statistics
-import time
 from dataclasses import replace
 
 from bench.cache import default_model_dir
-from bench.engine_overhead import REQUESTS, prompt_ids
+from bench.engine_overhead import REQUESTS
 from bench.peers import loramux_engine
-from bench.profile_decode import median_step_seconds, start_decoding
-from inference_service.engine import Engine, Request
-from inference_service.sampling import SamplingParams
+from bench.profile_decode import alternate, median_step_seconds, start_decoding, timed_prefill
+from inference_service.engine import Engine
+from kernels.cpu_kernels import CpuKernels
 
 STEPS = 10  # decode steps a round times, one at a time (the median is the round's)
-PATHS = ("in place", "gathered")
-
-
-def prefill_seconds(engine: Engine, prompt: int) -> float:
-    """Seconds to prefill REQUESTS prompts of `prompt` tokens and draw each one token."""
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.generate([Request(prompt_ids(i, prompt), None, params) for i in range(REQUESTS)])
-    return time.perf_counter() - start
 
 
 def decode_steps(engine: Engine, prompt: int, rounds: int) -> dict[str, float]:
@@ -35,11 +25,12 @@ def decode_steps(engine: Engine, prompt: int, rounds: int) -> dict[str, float]:
     kernels = engine.runner.cpu_kernels
     paths = {"in place": kernels, "gathered": replace(kernels, decode_attention=None)}
     start_decoding(engine, [None] * REQUESTS, prompt, 2 * rounds * STEPS + 2)
-    steps: dict[str, list[float]] = {path: [] for path in PATHS}
-    for round_ in range(rounds):
-        for path in PATHS[:: 1 if round_ % 2 == 0 else -1]:
-            engine.runner.cpu_kernels = paths[path]
-            steps[path].append(median_step_seconds(engine, STEPS))
+
+    def measure(path_kernels: CpuKernels) -> float:
+        engine.runner.cpu_kernels = path_kernels
+        return median_step_seconds(engine, STEPS)
+
+    steps = alternate(paths, rounds, measure)
     engine.runner.cpu_kernels = kernels
     while engine.has_work:
         engine.step()
@@ -61,7 +52,7 @@ def main() -> None:
             engine = loramux_engine(default_model_dir(), dtype, REQUESTS, max_len, [])
             if engine.runner.cpu_kernels.decode_attention is None:
                 raise SystemExit("no CPU decode kernel here (the worker's log says why): nothing to compare")
-            prefill = statistics.median(prefill_seconds(engine, prompt) for _ in range(3))
+            prefill = statistics.median(timed_prefill(engine, [None] * REQUESTS, prompt)[0] for _ in range(3))
             step = decode_steps(engine, prompt, args.rounds)
             print(
                 f"{dtype:9s} {prompt:6d}  {prefill:9.2f}  {step['in place'] * 1e3:16.2f}  "

@@ -10,17 +10,14 @@ agree is printed (fp32: they should; bf16 may differ at a near tie).
 
 import argparse
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
 from bench.cache import default_model_dir
-from bench.engine_overhead import prompt_ids
-from bench.peers import STEP_TOKENS, loramux_engine
-from bench.profile_decode import median_step_seconds, start_decoding
-from inference_service.engine import Engine, Request, model_runner
-from inference_service.sampling import SamplingParams
+from bench.peers import loramux_engine
+from bench.profile_decode import alternate, decode_step_seconds, timed_prefill
+from inference_service.engine import Engine, model_runner
 from kernels.cpu_kernels import CpuKernels
 
 PROMPT, LONG_PROMPT, LONG_PROMPTS, STEPS = 32, 512, 8, 8
@@ -40,45 +37,20 @@ def engines(model_dir: Path, dtype: str, batch: int) -> dict[str, Engine]:
     return made
 
 
-def decode_step(engine: Engine, batch: int) -> float:
-    """The median step with `batch` requests decoding: the first admitted have decoded a token
-    in each step that prefilled the rest, so they ask for that many more."""
-    prefill_steps = -(-batch * PROMPT // STEP_TOKENS)
-    start_decoding(engine, [None] * batch, PROMPT, STEPS + 2 + prefill_steps)
-    seconds = median_step_seconds(engine, STEPS)
-    while engine.has_work:
-        engine.step()
-    return seconds
-
-
-def prefill(engine: Engine) -> tuple[float, list[list[int]]]:
-    """Seconds to prefill LONG_PROMPTS prompts and draw one token each, and the tokens."""
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = engine.generate(
-        [Request(prompt_ids(i, LONG_PROMPT), None, params) for i in range(LONG_PROMPTS)]
-    )
-    return time.perf_counter() - start, [o.token_ids for o in outputs]
-
-
-def alternate(arms: dict[str, Engine], rounds: int, measure) -> dict[str, list]:
-    """measure(engine) for each arm, `rounds` times, the order reversed every other round."""
-    results: dict[str, list] = {arm: [] for arm in arms}
-    for round_ in range(rounds):
-        for arm in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
-            results[arm].append(measure(arms[arm]))
-    return results
+def base_decode(batch: int):
+    """The median decode step of an engine with `batch` requests on the base model."""
+    return lambda engine: decode_step_seconds(engine, [None] * batch, PROMPT, STEPS)
 
 
 def compare(arms: dict[str, Engine], dtype: str, batches: list[int], rounds: int) -> None:
     print(f"{dtype:9s} base decode, step ms (medians)  kernel   oneDNN  oneDNN/kernel")
     # a warm-up round each, dropped
-    alternate(arms, 2, lambda engine: decode_step(engine, batches[0]))
+    alternate(arms, 2, base_decode(batches[0]))
     for batch in batches:
-        step = alternate(arms, rounds, lambda engine, b=batch: decode_step(engine, b))
+        step = alternate(arms, rounds, base_decode(batch))
         kernel, onednn = (statistics.median(step[arm]) * 1e3 for arm in ("kernel", "oneDNN"))
         print(f"  batch {batch:3d}{'':27s}{_row(kernel, onednn)}")
-    runs = alternate(arms, rounds, prefill)
+    runs = alternate(arms, rounds, lambda engine: timed_prefill(engine, [None] * LONG_PROMPTS, LONG_PROMPT))
     kernel, onednn = (statistics.median(s for s, _ in runs[arm]) for arm in ("kernel", "oneDNN"))
     same = all(tokens == runs["oneDNN"][0][1] for _, tokens in runs["kernel"])
     print(f"prefill {LONG_PROMPTS} x {LONG_PROMPT} tokens, s (medians)   {_row(kernel, onednn)}")

@@ -10,17 +10,15 @@ rounds. Then the seconds to prefill 8 prompts of 512 tokens, one per adapter, on
 import argparse
 import statistics
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from bench.cache import default_model_dir
-from bench.engine_overhead import REQUESTS, prompt_ids
+from bench.engine_overhead import REQUESTS
 from bench.peers import loramux_engine
-from bench.profile_decode import median_step_seconds, start_decoding
+from bench.profile_decode import alternate, decode_step_seconds, timed_prefill
 from bench.random_adapter import write_random_adapter
-from inference_service.engine import Engine, Request
-from inference_service.sampling import SamplingParams
+from inference_service.engine import Engine
 from kernels.cpu_kernels import CpuKernels
 from shared.model_config import ModelConfig
 
@@ -30,24 +28,19 @@ STEPS = 8  # decode steps a round times, one at a time (the median is the round'
 
 def decode_steps(engine: Engine, arms: dict[str, tuple[list[str | None], CpuKernels]], rounds: int) -> dict:
     """Median decode step seconds per arm (adapters per request, kernels), rounds alternating order."""
-    steps: dict[str, list[float]] = {arm: [] for arm in arms}
-    for round_ in range(rounds):
-        for arm in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
-            adapters, engine.runner.cpu_kernels = arms[arm]
-            start_decoding(engine, adapters, PROMPT, STEPS + 2)
-            steps[arm].append(median_step_seconds(engine, STEPS))
-            while engine.has_work:
-                engine.step()
+
+    def measure(arm: tuple[list[str | None], CpuKernels]) -> float:
+        adapters, engine.runner.cpu_kernels = arm
+        return decode_step_seconds(engine, adapters, PROMPT, STEPS)
+
+    steps = alternate(arms, rounds, measure)
     return {arm: statistics.median(times) for arm, times in steps.items()}
 
 
 def prefill_seconds(engine: Engine, names: list[str], kernels: CpuKernels) -> float:
     """Seconds to prefill one LONG_PROMPT-token prompt per adapter and draw each one token."""
     engine.runner.cpu_kernels = kernels
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.generate([Request(prompt_ids(i, LONG_PROMPT), name, params) for i, name in enumerate(names)])
-    return time.perf_counter() - start
+    return timed_prefill(engine, names, LONG_PROMPT)[0]
 
 
 def compare(model_dir: Path, dtype: str, folders: list[Path], rounds: int) -> str:

@@ -43,6 +43,37 @@ def median_step_seconds(engine: Engine, steps: int) -> float:
     return statistics.median(times)
 
 
+def decode_step_seconds(engine: Engine, adapters: list[str | None], prompt: int, steps: int) -> float:
+    """The median of `steps` decode steps of one request per entry of `adapters`, taken once
+    every request decodes; then the requests run out. The first admitted decode a token in each
+    step that prefills the rest, so each asks for that many tokens more than the steps timed."""
+    prefill_steps = -(-len(adapters) * prompt // engine.config.max_num_batched_tokens)
+    start_decoding(engine, adapters, prompt, steps + 2 + prefill_steps)
+    seconds = median_step_seconds(engine, steps)
+    while engine.has_work:
+        engine.step()
+    return seconds
+
+
+def timed_prefill(engine: Engine, adapters: list[str | None], prompt: int) -> tuple[float, list[list[int]]]:
+    """Seconds to prefill one `prompt`-token prompt per entry of `adapters` and draw one token
+    each, and those tokens."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    requests = [Request(prompt_ids(i, prompt), adapter, params) for i, adapter in enumerate(adapters)]
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    return time.perf_counter() - start, [o.token_ids for o in outputs]
+
+
+def alternate(arms: dict, rounds: int, measure) -> dict[str, list]:
+    """measure(arms[arm]) for each arm, `rounds` times, the order reversed every other round."""
+    results: dict[str, list] = {arm: [] for arm in arms}
+    for round_ in range(rounds):
+        for arm in list(arms)[:: 1 if round_ % 2 == 0 else -1]:
+            results[arm].append(measure(arms[arm]))
+    return results
+
+
 def decode_profile(engine: Engine, adapters: list[str | None], steps: int) -> profile:
     """Profiles `steps` decode steps, taken once every request has its first token."""
     start_decoding(engine, adapters, PROMPT, steps + 2)

@@ -26,8 +26,10 @@ SUM_BLOCK = 192
 
 
 class _Linear(ctypes.Structure):  # Linear in the source
-    _names = ("rows", "out", "inputs", "x_stride", "y_stride", "panels", "block")
-    _fields_ = [(name, ctypes.c_int64) for name in _names]
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("rows", "out", "inputs", "x_stride", "y_stride", "panels", "block")
+    ]
 
 
 class CpuLinear(CompiledKernel):

@@ -22,17 +22,6 @@ struct Prefill {
     const int32_t *tables, *starts, *lens, *contexts;
 };
 
-inline float lane_max(Vec v) {  // halves compared pairwise, as lane_sum adds them
-    typedef float Vec8 __attribute__((vector_size(32)));
-    typedef float Vec4 __attribute__((vector_size(16)));
-    const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    const Vec8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Vec8 v8 = a > b ? a : b;
-    const Vec4 c = __builtin_shufflevector(v8, v8, 0, 1, 2, 3), d = __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
-    const Vec4 v4 = c > d ? c : d;
-    return std::max(std::max(v4[0], v4[2]), std::max(v4[1], v4[3]));
-}
-
 // One chunk's keys and values of one KV head, fp32, gathered once for all of its tasks: K
 // transposed [width, stride] (a dim's keys contiguous), V [stride, width]; stride: the context
 // padded to whole steps of kKeys keys (zeros past it), width: head_dim padded to whole vectors.
@@ -84,7 +73,6 @@ void scores(const Prefill& p, const Task& t, int64_t m0, int64_t k0, int64_t end
         }
     }
     const int64_t cached = p.contexts[t.chunk] - p.lens[t.chunk];
-    typedef int32_t Ints __attribute__((vector_size(64)));
     const Ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int r = 0; r < kTile; ++r) {
         const int64_t pos = cached + t.first_row + m[r] / p.group;

@@ -2,12 +2,14 @@
 // one AVX-512 register or two AVX2 ones), and the widening and rounding of the serving dtypes.
 // kernels/cpu_library.py builds every source that includes it again when it changes.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
 typedef float Vec __attribute__((vector_size(64)));
 typedef uint32_t Bits __attribute__((vector_size(64)));
+typedef int32_t Ints __attribute__((vector_size(64)));
 typedef uint16_t Half16 __attribute__((vector_size(32)));
 typedef _Float16 Fp16x16 __attribute__((vector_size(32)));
 constexpr int64_t kVec = 16;
@@ -83,6 +85,17 @@ inline float lane_sum(Vec v) {  // halves added pairwise: four shuffles, not six
     return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
+inline float lane_max(Vec v) {  // halves compared pairwise, as lane_sum adds them
+    typedef float Vec8 __attribute__((vector_size(32)));
+    typedef float Vec4 __attribute__((vector_size(16)));
+    const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const Vec8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec8 v8 = a > b ? a : b;
+    const Vec4 c = __builtin_shufflevector(v8, v8, 0, 1, 2, 3), d = __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+    const Vec4 v4 = c > d ? c : d;
+    return std::max(std::max(v4[0], v4[2]), std::max(v4[1], v4[3]));
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x, to about an ulp: 2^round(x) times a degree-7 Taylor polynomial of 2^f, |f| <= 1/2. Below
@@ -97,7 +110,6 @@ inline Vec exp2_vec(Vec x) {
                            0.0096181291f, 0.0013333558f, 0.0001540353f, 0.0000152527f};
     Vec p = Vec{} + c[7];
     for (int i = 6; i >= 0; --i) p = p * f + c[i];
-    typedef int32_t Ints __attribute__((vector_size(64)));
     const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
     return p * load_as<Vec>(&bits);
 }
