@@ -62,7 +62,9 @@ class CpuPrefillAttention(CompiledKernel):
         head_dim] with each token's heads contiguous (a view into qkv is fine), of the cache's
         dtype; block_tables [chunks, max_blocks] and the rest int32, contiguous. Returns [tokens,
         heads, head_dim] in q's dtype; rows outside every chunk are left unwritten. Scores,
-        softmax and sums are fp32."""
+        softmax and sums are fp32; bf16, on CPUs with AVX512-BF16, multiplies in bf16 pairs and
+        rounds the softmax's weights to bf16 before they weigh V, as torch's CPU flash attention
+        and the Triton kernel do."""
         _, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty(q.shape, dtype=q.dtype)  # [tokens, heads, hd]
