@@ -85,6 +85,26 @@ inline float lane_sum(Vec v) {  // halves added pairwise: four shuffles, not six
     return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
+// Lane i of the result: x[i]'s lanes summed. Pairs of vectors are halved into one at each of four
+// levels (15 additions for the sixteen sums, where lane_sum takes 4 for each).
+inline Vec lane_sums(const Vec x[kVec]) {
+    Vec y[8], z[4], w[2];
+    for (int i = 0; i < 8; ++i) {  // y[i]: x[2i]'s 8 partial sums, then x[2i + 1]'s
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; ++i) {  // z[i]: 4 partial sums each of x[4i] .. x[4i + 3]
+        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 2; ++i) {  // w[i]: 2 partial sums each of x[8i] .. x[8i + 7]
+        w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    }
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 inline float lane_max(Vec v) {  // halves compared pairwise, as lane_sum adds them
     typedef float Vec8 __attribute__((vector_size(32)));
     typedef float Vec4 __attribute__((vector_size(16)));
