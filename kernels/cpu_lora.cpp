@@ -2,12 +2,16 @@
 // built, loaded and documented by kernels/cpu_lora.py. The semantics are those of the Triton pair
 // (kernels/lora_shrink.py, kernels/lora_expand.py) on one step's segment table: shrink writes each
 // LoRA token's fp32 sums A x, expand adds B times them (rounded to the pool's dtype first, as PEFT's
-// lora_A output is) into y. Products and sums are fp32 whatever the dtype.
+// lora_A output is) into y. Products and sums are fp32 whatever the dtype; bf16 shrinks, on CPUs
+// with AVX512-BF16, multiply in pairs (vdpbf16ps: exact products, a subnormal read as zero).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "cpu_vec.h"
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -23,12 +27,33 @@ struct Lora {
     const int32_t *tokens, *starts, *lengths, *ranks, *pages;  // ranks [targets, segments]; pages [.., max_pages]
 };
 
+#ifdef __AVX512BF16__
+// dot_tile's sums of bf16 elements [0, k) for the k it returns (whole vectors of pairs): products
+// of pairs at once (vdpbf16ps), exact as widened ones are, with no widening.
+inline int64_t dot_pairs(const uint16_t* const* xs, const uint16_t* const* as, int64_t n, Vec acc[kTile][kTile]) {
+    int64_t k = 0;
+    for (; k + 2 * kVec <= n; k += 2 * kVec) {
+        __m512bh xv[kTile], av[kTile];
+        for (int r = 0; r < kTile; ++r) __builtin_prefetch(as[r] + k + kTile * n);
+        for (int t = 0; t < kTile; ++t) xv[t] = (__m512bh)load_as<__m512i>(xs[t] + k);
+        for (int r = 0; r < kTile; ++r) av[r] = (__m512bh)load_as<__m512i>(as[r] + k);
+        for (int t = 0; t < kTile; ++t) {
+            for (int r = 0; r < kTile; ++r) acc[t][r] = (Vec)_mm512_dpbf16_ps((__m512)acc[t][r], xv[t], av[r]);
+        }
+    }
+    return k;
+}
+#endif
+
 // out[t][r] = xs[t] . as[r] over n elements, for a tile of kTile tokens and kTile rank rows: each
 // row of A read once for the tile's tokens, sixteen independent sums in registers.
 template <typename T>
 void dot_tile(const T* const* xs, const T* const* as, int64_t n, float out[kTile][kTile]) {
     Vec acc[kTile][kTile] = {};
     int64_t k = 0;
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, uint16_t>) k = dot_pairs(xs, as, n, acc);
+#endif
     for (; k + kVec <= n; k += kVec) {
         Vec xv[kTile], av[kTile];
         if (k % (64 / sizeof(T)) == 0) {  // a line of the next tile's rows (the next page's B^T after the last)
