@@ -46,12 +46,14 @@ struct Sequence {
     // The sequence's b-th block [block_size, kv_heads, head_dim] as floats, copied even where it
     // is fp32: the copy reads the block's bytes in order, as the prefetchers expect, and the
     // readers then take a head at a time from L1 (read in place a head at a time, 30% slower).
-    const float* block(int64_t b) { return widened(cache + table[b] * s.block_size * row, s.block_size * row, buffer); }
+    const float* block(int64_t b) { return widened(raw(b), s.block_size * row, buffer); }
+
+    const T* raw(int64_t b) const { return cache + table[b] * s.block_size * row; }  // in the cache
 
     // Asks for the b-th block's bytes while the one before it is read: a sequence's blocks lie
     // anywhere in the cache, so the prefetchers cannot see where the next one starts.
     void prefetch(int64_t b) const {
-        const char* bytes = reinterpret_cast<const char*>(cache + table[b] * s.block_size * row);
+        const char* bytes = reinterpret_cast<const char*>(raw(b));
         for (int64_t at = 0; at < s.block_size * row * static_cast<int64_t>(sizeof(T)); at += 64) {
             __builtin_prefetch(bytes + at);
         }
