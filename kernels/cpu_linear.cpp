@@ -29,6 +29,15 @@ constexpr int kLanes = 8, kPanelVecs = 2, kRows = 6;  // AVX2: 12 of 16
 #endif
 constexpr int64_t kCols = kPanelVecs * kLanes;  // a panel's outputs, a multiple of kVec
 
+// A thread's panels lie one after another, so its weights are one stream. The tiles of the first
+// kAskRows rows (every tile, at decode batch sizes) ask for the weights kAhead bytes on as they
+// read theirs: the next block's come in while this block's tiles multiply from L1, where they
+// came in only once the first tile missed them. At 8 and 32 rows a model's layers took 0.84 to
+// 0.93 of the time; 4 KB to 36 KB ahead were within 3% of each other. A lone row streams at the
+// memory's rate already, so its tile does not ask. (A prefetch past the weights' end does
+// not fault.)
+constexpr int64_t kAhead = 16 << 10, kAskRows = 32;
+
 // Sums c to c + kVec of a row's accumulators, as a Vec.
 inline Vec sixteen(const Lanes* acc, int64_t c) {
 #ifdef __AVX512F__
@@ -79,12 +88,18 @@ void add_sums(const Lanes* sums, const T* from, T* to) {
 }
 
 // One block's sums of `count` inputs for R rows and one panel's `cols` outputs, added to y's.
-// x: the rows' inputs from the block's first one on; w: the panel from that input on.
+// x: the rows' inputs from the block's first one on; w: the panel from that input on; ask: whether
+// to ask for the weights kAhead bytes on.
 template <typename Kind, int R, typename T = typename Kind::T>
-void tile(const Linear& s, const T* x, const T* w, int64_t count, Start<T> start, T* y, int64_t cols) {
+void tile(const Linear& s, const T* x, const T* w, int64_t count, Start<T> start, T* y, int64_t cols, bool ask) {
+    constexpr int64_t step_bytes = Kind::kStep * kCols * sizeof(T);  // the weights of one step
     Lanes acc[R][kPanelVecs] = {};
     for (int64_t k = 0; k < count; k += Kind::kStep) {
         const T* wk = w + k * kCols;
+        if (R > 1 && ask) {
+            const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
+            for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
+        }
         for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, wk);
     }
     for (int r = 0; r < R; ++r) {
@@ -106,19 +121,20 @@ template <typename Kind, typename T = typename Kind::T>
 void rows_tiles(const Linear& s, const T* x, const T* w, int64_t count, Start<T> start, T* y, int64_t cols) {
     int64_t m = 0;
     for (; m + kRows <= s.rows; m += kRows) {
-        tile<Kind, kRows>(s, x + m * s.x_stride, w, count, start, y + m * s.y_stride, cols);
+        tile<Kind, kRows>(s, x + m * s.x_stride, w, count, start, y + m * s.y_stride, cols, m < kAskRows);
     }
     x += m * s.x_stride;
     y += m * s.y_stride;
+    const bool ask = m < kAskRows;
     switch (s.rows - m) {
         case 0: break;
-        case 1: tile<Kind, 1>(s, x, w, count, start, y, cols); break;
-        case 2: tile<Kind, 2>(s, x, w, count, start, y, cols); break;
-        case 3: tile<Kind, 3>(s, x, w, count, start, y, cols); break;
-        case 4: tile<Kind, 4>(s, x, w, count, start, y, cols); break;
-        case 5: tile<Kind, 5>(s, x, w, count, start, y, cols); break;
-        case 6: tile<Kind, 6>(s, x, w, count, start, y, cols); break;
-        default: tile<Kind, 7>(s, x, w, count, start, y, cols); break;
+        case 1: tile<Kind, 1>(s, x, w, count, start, y, cols, ask); break;
+        case 2: tile<Kind, 2>(s, x, w, count, start, y, cols, ask); break;
+        case 3: tile<Kind, 3>(s, x, w, count, start, y, cols, ask); break;
+        case 4: tile<Kind, 4>(s, x, w, count, start, y, cols, ask); break;
+        case 5: tile<Kind, 5>(s, x, w, count, start, y, cols, ask); break;
+        case 6: tile<Kind, 6>(s, x, w, count, start, y, cols, ask); break;
+        default: tile<Kind, 7>(s, x, w, count, start, y, cols, ask); break;
     }
 }
 
