@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from inference_service.engine.sampler import SamplingBatch, generator_for, sample
+from inference_service.engine.sampler import ARGMAX_CHUNK, SamplingBatch, generator_for, greedy_tokens, sample
 from inference_service.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from shared.errors import InvalidArgument
 
@@ -106,6 +106,27 @@ def _sample(logits, params, histories=None, generators=None):
 def test_greedy_and_top_k_1_take_the_argmax(params):
     logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(0))  # [rows, vocab]
     assert _sample(logits, [params] * 16).token_ids == logits.argmax(dim=-1).tolist()
+
+
+VOCABS = [ARGMAX_CHUNK - 1, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK, 49152, 50257]
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_torch_argmax_with_ties_infinities_and_nans(vocab, dtype):
+    """Rows of few distinct values, so that maxima tie within and across chunks, with inf, -inf and
+    NaN placed first, last and at chunk edges: each row's token is torch.argmax's."""
+    g = torch.Generator().manual_seed(vocab)
+    scores = torch.randint(0, 4, (12, vocab), generator=g).to(dtype)  # [rows, vocab]
+    edge = min(ARGMAX_CHUNK, vocab - 1)
+    scores[1, -1] = scores[2, 0] = scores[3, edge] = scores[3, vocab - 1] = math.inf
+    scores[4] = -math.inf
+    scores[5, edge - 1] = scores[6, -1] = scores[7, 0] = math.nan
+    scores[8, edge] = math.nan
+    scores[8, 3] = math.inf
+    scores[9, vocab // 2 :] = 7  # the greatest, from the middle on
+    scores[10, -1] = 7  # the greatest in a last, short chunk
+    assert greedy_tokens(scores).tolist() == scores.argmax(dim=-1).tolist()
 
 
 def test_repetition_penalized_greedy_choice_equals_transformers():
