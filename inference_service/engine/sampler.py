@@ -131,8 +131,7 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     chunk maxima and then within the first chunk holding the greatest (or a NaN, which amax
     passes on and argmax ranks first, as in one pass)."""
     rows, vocab = scores.shape
-    chunks = -(-vocab // ARGMAX_CHUNK)
-    if scores.device.type != "cpu" or chunks < 2:
+    if scores.device.type != "cpu" or vocab <= ARGMAX_CHUNK:
         return scores.argmax(dim=-1)
     whole = vocab // ARGMAX_CHUNK * ARGMAX_CHUNK
     maxima = scores[:, :whole].view(rows, -1, ARGMAX_CHUNK).amax(dim=-1)  # [rows, whole chunks]
