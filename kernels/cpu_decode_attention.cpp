@@ -37,13 +37,15 @@ struct Sequence {
     int64_t first, context, row;  // row: kv_heads * head_dim, a position's values
     std::vector<float> buffer;  // a block, as floats
     const char* next = nullptr;  // the block read after this one, its lines [asked, lines) not yet asked for
-    int64_t asked = 0, lines = 0, share = 0;  // share: what fp32 asks for before the copy and per head
+    int64_t asked = 0, lines = 0;
+    int64_t block_lines, share;  // a block's cache lines; what fp32 asks for before the copy and per head
 
     Sequence(const Shape& shape, const T* cache_, const int64_t* tables, const int64_t* contexts, int64_t i)
         : s(shape), cache(cache_), table(tables + i * shape.table_width), context(contexts[i]),
           row(shape.kv_heads * shape.head_dim) {
         first = s.window > 0 && context > s.window ? context - s.window : 0;
-        share = (s.block_size * row * static_cast<int64_t>(sizeof(T)) / 64) / (s.kv_heads * s.group + 1) + 1;
+        block_lines = s.block_size * row * static_cast<int64_t>(sizeof(T)) / 64;
+        share = block_lines / (s.kv_heads * s.group + 1) + 1;
     }
 
     // Asks for up to n more lines of the next block. A sequence's blocks lie anywhere in the
@@ -64,15 +66,13 @@ struct Sequence {
         constexpr int64_t line = 64 / sizeof(T);  // elements in a cache line, a multiple of kVec
         const T* x = raw(b);
         const int64_t n = s.block_size * row;
-        const char* ahead = sizeof(T) < 4 && asked < lines ? next : nullptr;  // asked for line by line
         buffer.resize(n);
         int64_t d = 0;
         for (; d + kVec <= n; d += kVec) {
-            if (ahead && d % line == 0) __builtin_prefetch(ahead + d * sizeof(T));
+            if (sizeof(T) < 4 && d % line == 0) ask(1);
             store(buffer.data() + d, load(x + d));
         }
         for (; d < n; ++d) buffer[d] = widen(x[d]);
-        if (ahead) asked = lines;
         return buffer.data();
     }
 
@@ -88,7 +88,7 @@ struct Sequence {
             const bool last = (b + 1) * s.block_size >= context;
             next = last ? nullptr : reinterpret_cast<const char*>(raw(b + 1));
             asked = 0;
-            lines = last ? 0 : s.block_size * row * static_cast<int64_t>(sizeof(T)) / 64;
+            lines = last ? 0 : block_lines;
             if (sizeof(T) == 4) ask(share);
             visit(lo, std::min(context, start + s.block_size), block(b) + (lo - start) * row);
             ask(lines);
