@@ -1,5 +1,9 @@
 """Run a function on N tensor-parallel ranks, each a process of its own in one gloo group on
-loopback, and return what rank 0 returned."""
+loopback, and return what rank 0 returned.
+
+The ranks fork from a server process that imported the function's module once (multiprocessing's
+forkserver): spawned afresh, each rank imported torch, the test module and what it imports
+(transformers, torchao, bitsandbytes), several CPU seconds each, before its first op."""
 
 import multiprocessing
 import socket
@@ -14,7 +18,8 @@ from inference_service.model.shard import Shard
 def run_ranks(size: int, fn, *args, fully_sharded: bool = False, timeout_s: float = 300):
     """fn(parallel, *args) on ranks 0..size-1 (parallel: that rank's Collectives, its adapters
     fully sharded or not); rank 0's result, or the first rank's error."""
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([fn.__module__])  # read when the server starts: the first call
     results = context.Queue()
     port = _free_port()
     ranks = [
