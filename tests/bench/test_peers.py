@@ -21,6 +21,7 @@ VERSIONS = {"vllm": "0.32.0", "torch": "2.13.0+cpu"}
 
 def args(*given: str) -> argparse.Namespace:
     parsed = {"quick": "--quick" in given, "dtypes": None, "prompts": None, "batches": None, "repeats": 3}
+    parsed["base_only"] = "--base-only" in given
     if "--batches" in given:
         parsed["batches"] = [int(b) for b in given[given.index("--batches") + 1 :]]
     return argparse.Namespace(**parsed)
@@ -97,6 +98,26 @@ def test_the_table_has_decode_rates_their_ratios_per_round_and_adapters_over_bas
     assert "0 of 12 side-rounds timed again" in result["setup"]
     assert "Load average (1 min) 0.50 as the run began, 1.25 as it ended" in result["setup"]
     assert "| fp32 | 32 | 32 | 992.0 |" in markdown_table(result["table"])
+
+
+def test_base_only_runs_the_base_arm_and_the_record_says_so():
+    assert grid_from(args("--base-only"), set()).adapters is False and grid_from(args(), set()).adapters
+    base = cell(0, [(2.0, 1.0)] * 3, [(3.0, 1.0)] * 3)
+    fp32 = {"0": {"loramux": 4, "vllm": 4}, "ties": {}, "compared": {}}
+    bf16 = {"0": {"loramux": 4, "vllm": 3}, "ties": {"0": 1}, "compared": {"0": 100}}
+    agree = {"float32": fp32, "bfloat16": bf16, "checked": 4, "tokens": 32, "batch": 32, "prompt": 32}
+    result = summary([base], agree, Grid(("float32",), (32,), (32,), adapters=False), [], (0.5, 1.25))
+    (line,) = result["table"]
+    assert line == {
+        "dtype": "fp32", "prompt": 32, "batch": 32,
+        "loramux base tok/s": 992.0, "vLLM base tok/s": 496.0, "base loramux / vLLM": 2.0,
+    }  # fmt: skip
+    assert "EOS ignored; the base model alone (no adapters arm: --base-only)." in result["setup"]
+    assert "adapters / base" not in result["setup"] and "slots of rank" not in result["setup"]
+    fp32_text, bf16_text = result["setup"].split("Greedy tokens")[1:3]
+    assert "loramux 4 / 4 base; vLLM 4 / 4 base." in fp32_text
+    assert "(requests cut at one: 1 base; tokens compared: 100 / 128 base)" in bf16_text
+    assert "loramux 4 / 4 base; vLLM 3 / 4 base." in bf16_text
 
 
 def test_busy_jiffies_leave_out_idle_and_iowait():
