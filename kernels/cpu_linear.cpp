@@ -1,10 +1,12 @@
 // y = x W^T + b on the CPU for fp32 and bf16 weights; built, loaded and documented by
 // kernels/cpu_linear.py. W is packed in panels of kCols outputs: panel p holds W[p * kCols + c, k]
 // at [p][k][c] (bf16: inputs in pairs, at [p][k / 2][c][k % 2]), its last panel padded with zero
-// rows. A task is one panel and every row of x: for each block of inputs it walks the rows kRows
-// at a time, summing the block's products in fp32 registers and adding that sum to the outputs,
-// so the panel's block of W comes from memory once and from L1 for every further tile of rows.
-// fp32 sums blocks of s.block inputs; bf16 sums all inputs in one block and rounds once.
+// rows. A task is one panel and every row of x, walked kRows rows at a time: a tile of rows sums
+// each block of inputs' products in fp32 registers and adds that sum to its totals, which it
+// stores once, so y is written once and never read. The panel comes from memory for the first tile
+// and from L2 for the rest (its blocks from L1, at 512 rows, took 1.04x as long: each block's
+// sums went through y). fp32 sums blocks of s.block inputs; bf16 sums all inputs in one block and
+// rounds once.
 #include <algorithm>
 #include <cstdint>
 
@@ -31,9 +33,9 @@ constexpr int64_t kCols = kPanelVecs * kLanes;  // a panel's outputs, a multiple
 
 // A thread's panels lie one after another, so its weights are one stream. The tiles of the first
 // kAskRows rows (every tile, at decode batch sizes) ask for the weights kAhead bytes on as they
-// read theirs: the next block's come in while this block's tiles multiply from L1, where they
-// came in only once the first tile missed them. At 8 and 32 rows a model's layers took 0.84 to
-// 0.93 of the time; 4 KB to 36 KB ahead were within 3% of each other. A lone row streams at the
+// read theirs, so that they come in while the tile multiplies, not once it misses them. At 8 and
+// 32 rows a model's layers took 0.84 to 0.93 of the time; 4 KB to 36 KB ahead were within 3% of
+// each other. A lone row streams at the
 // memory's rate already, so its tile does not ask. (A prefetch past the weights' end does
 // not fault.)
 constexpr int64_t kAhead = 16 << 10, kAskRows = 32;
@@ -47,13 +49,6 @@ inline Vec sixteen(const Lanes* acc, int64_t c) {
     return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #endif
 }
-
-// Where a block's sums start: the outputs so far, or for the first block the bias (or zero).
-template <typename T>
-struct Start {
-    const T* bias;
-    bool first;
-};
 
 // x times the panel's weights for one step of inputs: one fp32 input, or a pair of bf16 ones.
 struct Fp32 {
@@ -79,73 +74,77 @@ struct Bf16 {
 };
 #endif
 
-// to = from (or zero) + a row's sums, for a panel's outputs.
+// A tile's totals before its first block: the panel's `cols` biases widened to fp32, or zeros.
 template <typename T>
-void add_sums(const Lanes* sums, const T* from, T* to) {
-    for (int64_t c = 0; c < kCols; c += kVec) {
-        store(to + c, (from != nullptr ? load(from + c) : Vec{}) + sixteen(sums, c));
+void start_totals(const T* bias, int64_t cols, Lanes* start) {  // start [kPanelVecs]
+    float b[kCols] = {};
+    if (bias != nullptr) std::transform(bias, bias + cols, b, [](T v) { return widen(v); });
+    for (int v = 0; v < kPanelVecs; ++v) start[v] = load_as<Lanes>(b + v * kLanes);
+}
+
+// The tile's R rows of y, one panel's `cols` outputs: its totals, rounded to T.
+template <int R, typename T>
+void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], T* y, int64_t cols) {
+    for (int r = 0; r < R; ++r) {
+        T* yr = y + r * s.y_stride;
+        T last[kCols];  // the last panel's outputs, written through here
+        T* to = cols == kCols ? yr : last;
+        for (int64_t c = 0; c < kCols; c += kVec) store(to + c, sixteen(total[r], c));
+        if (to == last) std::copy(last, last + cols, yr);
     }
 }
 
-// One block's sums of `count` inputs for R rows and one panel's `cols` outputs, added to y's.
-// x: the rows' inputs from the block's first one on; w: the panel from that input on; ask: whether
-// to ask for the weights kAhead bytes on.
+// R rows of x times one panel, over every input: each block's products are summed in registers
+// and the sum added to the tile's totals (in L1), which are stored once.
+// x: the rows' first inputs; w: the panel; ask: whether to ask for the weights kAhead bytes on.
 template <typename Kind, int R, typename T = typename Kind::T>
-void tile(const Linear& s, const T* x, const T* w, int64_t count, Start<T> start, T* y, int64_t cols, bool ask) {
+void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int64_t cols, bool ask) {
     constexpr int64_t step_bytes = Kind::kStep * kCols * sizeof(T);  // the weights of one step
-    Lanes acc[R][kPanelVecs] = {};
-    for (int64_t k = 0; k < count; k += Kind::kStep) {
-        const T* wk = w + k * kCols;
-        if (R > 1 && ask) {
-            const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
-            for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
+    const int64_t block = Kind::block(s);
+    Lanes total[R][kPanelVecs];
+    for (int r = 0; r < R; ++r) std::copy(start, start + kPanelVecs, total[r]);
+    for (int64_t k0 = 0; k0 < s.inputs; k0 += block) {
+        const int64_t stop = std::min(k0 + block, s.inputs);
+        Lanes acc[R][kPanelVecs] = {};
+        for (int64_t k = k0; k < stop; k += Kind::kStep) {
+            const T* wk = w + k * kCols;
+            if (R > 1 && ask) {
+                const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
+                for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
+            }
+            for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, wk);
         }
-        for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, wk);
-    }
-    for (int r = 0; r < R; ++r) {
-        T* yr = y + r * s.y_stride;
-        const T* from = !start.first ? yr : start.bias;
-        if (cols == kCols) {
-            add_sums(acc[r], from, yr);
-            continue;
+        for (int r = 0; r < R; ++r) {
+            for (int v = 0; v < kPanelVecs; ++v) total[r][v] += acc[r][v];
         }
-        T last[kCols] = {};  // the last panel's outputs, read and written through here
-        if (from != nullptr) std::copy(from, from + cols, last);
-        add_sums(acc[r], from != nullptr ? last : nullptr, last);
-        std::copy(last, last + cols, yr);
     }
+    store_totals<R>(s, total, y, cols);
 }
 
 // tile over every row of x, the last rows in one smaller tile.
 template <typename Kind, typename T = typename Kind::T>
-void rows_tiles(const Linear& s, const T* x, const T* w, int64_t count, Start<T> start, T* y, int64_t cols) {
+void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t p) {
+    const int64_t cols = std::min(kCols, s.out - p * kCols);
+    w += p * s.inputs * kCols;
+    y += p * kCols;
+    Lanes start[kPanelVecs];
+    start_totals(bias == nullptr ? nullptr : bias + p * kCols, cols, start);
     int64_t m = 0;
     for (; m + kRows <= s.rows; m += kRows) {
-        tile<Kind, kRows>(s, x + m * s.x_stride, w, count, start, y + m * s.y_stride, cols, m < kAskRows);
+        tile<Kind, kRows>(s, x + m * s.x_stride, w, start, y + m * s.y_stride, cols, m < kAskRows);
     }
     x += m * s.x_stride;
     y += m * s.y_stride;
     const bool ask = m < kAskRows;
     switch (s.rows - m) {
         case 0: break;
-        case 1: tile<Kind, 1>(s, x, w, count, start, y, cols, ask); break;
-        case 2: tile<Kind, 2>(s, x, w, count, start, y, cols, ask); break;
-        case 3: tile<Kind, 3>(s, x, w, count, start, y, cols, ask); break;
-        case 4: tile<Kind, 4>(s, x, w, count, start, y, cols, ask); break;
-        case 5: tile<Kind, 5>(s, x, w, count, start, y, cols, ask); break;
-        case 6: tile<Kind, 6>(s, x, w, count, start, y, cols, ask); break;
-        default: tile<Kind, 7>(s, x, w, count, start, y, cols, ask); break;
-    }
-}
-
-template <typename Kind, typename T = typename Kind::T>
-void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t p) {
-    const int64_t cols = std::min(kCols, s.out - p * kCols), block = Kind::block(s);
-    w += p * s.inputs * kCols;
-    bias = bias == nullptr ? nullptr : bias + p * kCols;
-    for (int64_t k = 0; k < s.inputs; k += block) {
-        const int64_t count = std::min(block, s.inputs - k);
-        rows_tiles<Kind>(s, x + k, w + k * kCols, count, Start<T>{bias, k == 0}, y + p * kCols, cols);
+        case 1: tile<Kind, 1>(s, x, w, start, y, cols, ask); break;
+        case 2: tile<Kind, 2>(s, x, w, start, y, cols, ask); break;
+        case 3: tile<Kind, 3>(s, x, w, start, y, cols, ask); break;
+        case 4: tile<Kind, 4>(s, x, w, start, y, cols, ask); break;
+        case 5: tile<Kind, 5>(s, x, w, start, y, cols, ask); break;
+        case 6: tile<Kind, 6>(s, x, w, start, y, cols, ask); break;
+        default: tile<Kind, 7>(s, x, w, start, y, cols, ask); break;
     }
 }
 

@@ -5,12 +5,13 @@ transformers runs, sums blocks of inputs apart and adds the blocks, so it errs f
 inputs, and our logits must stay as close to the float64 forward as its do (tests/fp32_agreement.py).
 oneDNN's packed matmul sums in one pass, so packed_weight.PackedWeight calls it once per block of
 inputs and pays for it: a decode step of 32 requests spent 28 ms in those calls against 21 ms in
-one-pass ones. This kernel sums the blocks in registers and adds each to the output as the tile
-ends: as exact as the blocked calls, and at decode batch sizes faster than oneDNN's one-pass
-matmul. bf16 weights, on CPUs with AVX512-BF16, take the same tiles with bf16 pair products
-(vdpbf16ps, oneDNN's instruction too), summed in fp32 over all inputs and rounded once. The C++
-source is compiled once per machine (kernels/cpu_library.py); where it cannot be, `CpuLinear.load`
-says why and returns None, and the weights take oneDNN's matmuls.
+one-pass ones. This kernel sums each block in registers and adds it to the tile's totals, stored
+once: as exact as the blocked calls, faster than oneDNN's one-pass matmul at decode batch sizes,
+and at 0.85 to 0.93 of the FMA peak (a 2-core AMD EPYC's) for a 512-token prefill's layers.
+bf16 weights, on CPUs with AVX512-BF16, take the same tiles with bf16 pair products (vdpbf16ps,
+oneDNN's instruction too), summed in fp32 over all inputs and rounded once. The C++ source is
+compiled once per machine (kernels/cpu_library.py); where it cannot be, `CpuLinear.load` says why
+and returns None, and the weights take oneDNN's matmuls.
 """
 
 import ctypes
