@@ -1,7 +1,8 @@
 // Decode attention on the CPU, reading K and V in place in the paged cache; built, loaded and
-// documented by kernels/cpu_decode_attention.py. Two passes per sequence, in parallel over them: scores = scale * q . k for every key the sequence sees, then out = sum of p * v over
-// the same keys, p = softmax(scores) being computed in between by torch. Products and sums are fp32
-// whatever the cache's dtype.
+// documented by kernels/cpu_decode_attention.py. Two passes per sequence, in parallel over them:
+// scores = scale * q . k for every key the sequence sees, then out = sum of p * v over the same
+// keys, p = softmax(scores) being computed in between by torch. Products and sums are fp32
+// whatever the cache's dtype (bf16 keys, on CPUs with AVX512-BF16, in exact pair products).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,6 +11,9 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -18,145 +22,188 @@ struct Shape {
     float scale;
 };
 
-// n elements of x as floats in `buffer`, read in order.
-template <typename T>
-const float* widened(const T* x, int64_t n, std::vector<float>& buffer) {
-    buffer.resize(n);
-    int64_t d = 0;
-    for (; d + kVec <= n; d += kVec) store(buffer.data() + d, load(x + d));
-    for (; d < n; ++d) buffer[d] = widen(x[d]);
-    return buffer.data();
-}
-
-// One sequence's keys or values: positions [first, context) of its blocks.
+// One sequence's keys or values: positions [first, context) of its blocks, read in place.
 template <typename T>
 struct Sequence {
+    // A sequence's blocks lie anywhere in the cache, so the prefetchers cannot see where the next
+    // one starts: while a block is read, the one kAhead blocks on is asked for into L2, a few lines
+    // per head, which keeps reads in flight all through (asking one block on, into L1: values took
+    // 1.1 to 1.5x as long at 100 sequences of 530 positions; asking for all of it at once, 1.25x).
+    static constexpr int64_t kAhead = 2;
     const Shape& s;
     const T* cache;  // [blocks, block_size, kv_heads, head_dim]
     const int64_t* table;  // [table_width] its blocks
     int64_t first, context, row;  // row: kv_heads * head_dim, a position's values
-    std::vector<float> buffer;  // a block, as floats
-    const char* next = nullptr;  // the block read after this one, its lines [asked, lines) not yet asked for
+    const char* next = nullptr;  // the block asked for now, its lines [asked, lines) not yet asked for
     int64_t asked = 0, lines = 0;
-    int64_t block_lines, share;  // a block's cache lines; what fp32 asks for before the copy and per head
+    int64_t block_lines, share;  // a block's cache lines; what is asked for per head
 
     Sequence(const Shape& shape, const T* cache_, const int64_t* tables, const int64_t* contexts, int64_t i)
         : s(shape), cache(cache_), table(tables + i * shape.table_width), context(contexts[i]),
           row(shape.kv_heads * shape.head_dim) {
         first = s.window > 0 && context > s.window ? context - s.window : 0;
-        block_lines = s.block_size * row * static_cast<int64_t>(sizeof(T)) / 64;
-        share = block_lines / (s.kv_heads * s.group + 1) + 1;
+        block_lines = (s.block_size * row * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+        share = block_lines / (s.kv_heads * s.group) + 1;
     }
 
-    // Asks for up to n more lines of the next block. A sequence's blocks lie anywhere in the
-    // cache, so the prefetchers cannot see where the next one starts; asking for it a few lines
-    // at a time while this block is read keeps reads in flight all through (asking for all of it
-    // before the copy took 1.25x as long).
+    // Asks for up to n more lines of the block kAhead on.
     void ask(int64_t n) {
-        for (; n > 0 && asked < lines; --n, ++asked) __builtin_prefetch(next + 64 * asked);
-    }
-
-    // The sequence's b-th block [block_size, kv_heads, head_dim] as floats, copied even where it
-    // is fp32: the copy reads the block's bytes in order, as the prefetchers expect, and the
-    // readers then take a head at a time from L1 (read in place a head at a time, 30% slower).
-    // A 2-byte block, which comes in faster than its heads are multiplied, asks for the next
-    // block's lines as it copies its own; an fp32 block, which comes in slower, leaves them to its
-    // heads (at 32 x 512 tokens, each way round took 1.2x as long).
-    const float* block(int64_t b) {
-        constexpr int64_t line = 64 / sizeof(T);  // elements in a cache line, a multiple of kVec
-        const T* x = raw(b);
-        const int64_t n = s.block_size * row;
-        buffer.resize(n);
-        int64_t d = 0;
-        for (; d + kVec <= n; d += kVec) {
-            if (sizeof(T) < 4 && d % line == 0) ask(1);
-            store(buffer.data() + d, load(x + d));
-        }
-        for (; d < n; ++d) buffer[d] = widen(x[d]);
-        return buffer.data();
+        for (; n > 0 && asked < lines; --n, ++asked) __builtin_prefetch(next + 64 * asked, 0, 2);
     }
 
     const T* raw(int64_t b) const { return cache + table[b] * s.block_size * row; }  // in the cache
+    bool seen(int64_t b) const { return b * s.block_size < context; }  // whether block b holds positions seen
+
+    // Makes block b the one asked for (none past the context).
+    void ask_for(int64_t b) {
+        next = seen(b) ? reinterpret_cast<const char*>(raw(b)) : nullptr;
+        asked = 0;
+        lines = seen(b) ? block_lines : 0;
+    }
 
     // Calls visit(lo, hi, rows) for each block holding positions seen: they are [lo, hi), position
-    // p's values at rows + (p - lo) * row. visit asks for a share of the next block's lines per
+    // p's values at rows + (p - lo) * row. visit asks for a share of a later block's lines per
     // head; what it leaves is asked for after it.
     template <typename Visit>
     void blocks(Visit visit) {
-        for (int64_t b = first / s.block_size; b * s.block_size < context; ++b) {
-            const int64_t start = b * s.block_size, lo = std::max(first, start);
-            const bool last = (b + 1) * s.block_size >= context;
-            next = last ? nullptr : reinterpret_cast<const char*>(raw(b + 1));
-            asked = 0;
-            lines = last ? 0 : block_lines;
-            if (sizeof(T) == 4) ask(share);
-            visit(lo, std::min(context, start + s.block_size), block(b) + (lo - start) * row);
+        const int64_t start = first / s.block_size;
+        for (int64_t b = start + 1; b < start + kAhead; ++b) {  // the blocks before the first one asked for in turn
+            ask_for(b);
+            ask(lines);
+        }
+        for (int64_t b = start; seen(b); ++b) {
+            const int64_t lo = std::max(first, b * s.block_size);
+            ask_for(b + kAhead);
+            visit(lo, std::min(context, (b + 1) * s.block_size), raw(b) + (lo - b * s.block_size) * row);
             ask(lines);
         }
     }
 };
 
-// n rows' dot products with q over hd floats, rows `row` floats apart, n <= kVec: lane i is
-// q . rows[i]. Each row's products are summed in vectors and then all rows' vectors at once
-// (lane_sums), not one row at a time. Out of line: inlined into scores_of, GCC 12's code took
-// 1.15x as long for bf16 caches.
-__attribute__((noinline)) Vec row_dots(const float* q, const float* rows, int64_t row, int64_t n, int64_t hd) {
+// Lane i: q . keys[i] over hd elements, for n <= kVec keys `row` elements apart (lanes past n
+// repeat the last key). Each key's products are summed in a vector, all sixteen in registers,
+// and the vectors' lanes then all at once (lane_sums).
+template <typename T>
+Vec key_dots(const float* q, const T* keys, int64_t row, int64_t n, int64_t hd) {
+    const T* key[kVec];
+    for (int64_t i = 0; i < kVec; ++i) key[i] = keys + std::min(i, n - 1) * row;
     Vec acc[kVec] = {};
     int64_t d = 0;
     for (; d + kVec <= hd; d += kVec) {
         const Vec qd = load(q + d);
-        for (int64_t i = 0; i < n; ++i) acc[i] += qd * load(rows + i * row + d);
+        for (int64_t i = 0; i < kVec; ++i) acc[i] += qd * load(key[i] + d);
     }
     Vec sums = lane_sums(acc);
     for (; d < hd; ++d) {
-        for (int64_t i = 0; i < n; ++i) sums[i] += q[d] * rows[i * row + d];
+        for (int64_t i = 0; i < n; ++i) sums[i] += q[d] * widen(key[i][d]);
     }
     return sums;
 }
 
-// scores [heads, width] of the sequence's queries q [heads, head_dim]; -inf at keys not seen.
-template <typename T>
-void scores_of(Sequence<T> seq, const float* q, float* scores) {
+#ifdef __AVX512BF16__
+// key_dots for bf16 queries and keys, on CPUs with AVX512-BF16: pairs of products at once
+// (vdpbf16ps, whose products are exact and sums fp32, as the prefill kernel's; a subnormal bf16
+// reads as zero), where widening both to fp32 first took 1.9x as long.
+Vec key_dots(const uint16_t* q, const uint16_t* keys, int64_t row, int64_t n, int64_t hd) {
+    constexpr int64_t kPairs = 2 * kVec;  // the elements one product step takes from each side
+    const uint16_t* key[kVec];
+    for (int64_t i = 0; i < kVec; ++i) key[i] = keys + std::min(i, n - 1) * row;
+    Vec acc[kVec] = {};
+    int64_t d = 0;
+    for (; d + kPairs <= hd; d += kPairs) {
+        const __m512bh qd = (__m512bh)load_as<__m512i>(q + d);
+        for (int64_t i = 0; i < kVec; ++i) {
+            acc[i] = (Vec)_mm512_dpbf16_ps((__m512)acc[i], qd, (__m512bh)load_as<__m512i>(key[i] + d));
+        }
+    }
+    Vec sums = lane_sums(acc);
+    for (; d < hd; ++d) {
+        for (int64_t i = 0; i < n; ++i) sums[i] += widen(q[d]) * widen(key[i][d]);
+    }
+    return sums;
+}
+#endif
+
+// scores [heads, width] of the sequence's queries q [heads, head_dim] (Q: fp32, or the keys' bf16
+// where key_dots takes them in pairs); -inf at keys not seen.
+template <typename T, typename Q>
+void scores_of(Sequence<T> seq, const Q* q, float* scores) {
     const Shape& s = seq.s;
     const int64_t heads = s.kv_heads * s.group, hd = s.head_dim;
     for (int64_t h = 0; h < heads; ++h) {
         std::fill(scores + h * s.width, scores + h * s.width + seq.first, -INFINITY);
         std::fill(scores + h * s.width + seq.context, scores + (h + 1) * s.width, -INFINITY);
     }
-    seq.blocks([&](int64_t lo, int64_t hi, const float* keys) {
+    seq.blocks([&](int64_t lo, int64_t hi, const T* keys) {
         for (int64_t h = 0; h < heads; ++h) {
             seq.ask(seq.share);
-            const float* k = keys + h / s.group * hd;  // position p's at k + (p - lo) * row
+            const T* k = keys + h / s.group * hd;  // position p's at k + (p - lo) * row
             for (int64_t p = lo; p < hi; p += kVec) {
                 const int64_t n = std::min<int64_t>(kVec, hi - p);
-                const Vec dots = row_dots(q + h * hd, k + (p - lo) * seq.row, seq.row, n, hd) * s.scale;
+                const Vec dots = key_dots(q + h * hd, k + (p - lo) * seq.row, seq.row, n, hd) * s.scale;
                 std::memcpy(scores + h * s.width + p, &dots, n * sizeof(float));
             }
         }
     });
 }
 
-// out [heads, head_dim] = probs [heads, width] times the values seen: for each block, a head's
-// sums stay in registers over its positions (each output is still a sum over positions in order).
+// out[h][d, d + V * kVec) += sum over positions [lo, hi) of probs[h][p] * values[p][d ..], for the
+// H query heads from h0 (of one kv head): H * V sums in registers, each over positions in order.
+template <int H, int V, typename T>
+void add_values(const Shape& s, const float* probs, const T* values, int64_t row, int64_t lo, int64_t hi,
+                int64_t h0, int64_t d, float* out) {
+    Vec acc[H][V];
+    for (int h = 0; h < H; ++h) {
+        for (int v = 0; v < V; ++v) acc[h][v] = load(out + (h0 + h) * s.head_dim + d + v * kVec);
+    }
+    for (int64_t p = lo; p < hi; ++p) {
+        const T* at = values + (p - lo) * row + d;
+        Vec x[V];
+        for (int v = 0; v < V; ++v) x[v] = load(at + v * kVec);
+        for (int h = 0; h < H; ++h) {
+            const float w = probs[(h0 + h) * s.width + p];
+            for (int v = 0; v < V; ++v) acc[h][v] += w * x[v];
+        }
+    }
+    for (int h = 0; h < H; ++h) {
+        for (int v = 0; v < V; ++v) std::memcpy(out + (h0 + h) * s.head_dim + d + v * kVec, &acc[h][v], sizeof(Vec));
+    }
+}
+
+// add_values for n (1 to kHeads) query heads from h0, over every whole vector of head_dim.
+constexpr int64_t kHeads = 4;
+template <int H, typename T>
+void add_heads(const Shape& s, const float* probs, const T* values, int64_t row, int64_t lo, int64_t hi,
+               int64_t h0, float* out) {
+    int64_t d = 0;
+    for (; d + 4 * kVec <= s.head_dim; d += 4 * kVec) add_values<H, 4>(s, probs, values, row, lo, hi, h0, d, out);
+    for (; d + kVec <= s.head_dim; d += kVec) add_values<H, 1>(s, probs, values, row, lo, hi, h0, d, out);
+}
+
+// out [heads, head_dim] = probs [heads, width] times the values seen: for each block and kv head,
+// up to kHeads of its query heads at once, their sums in registers over the block's positions
+// (each output is still a sum over positions in order).
 template <typename T>
 void values_of(Sequence<T> seq, const float* probs, float* out) {
     const Shape& s = seq.s;
-    const int64_t heads = s.kv_heads * s.group, hd = s.head_dim;
+    const int64_t heads = s.kv_heads * s.group, hd = s.head_dim, whole = hd / kVec * kVec;
     std::fill(out, out + heads * hd, 0.0f);
-    seq.blocks([&](int64_t lo, int64_t hi, const float* values) {
-        for (int64_t h = 0; h < heads; ++h) {
-            seq.ask(seq.share);
-            const float* w = probs + h * s.width;
-            const float* v = values + h / s.group * hd;  // position p's at v + (p - lo) * row
-            float* o = out + h * hd;
-            int64_t d = 0;
-            for (; d + kVec <= hd; d += kVec) {
-                Vec sum = load(o + d);
-                for (int64_t p = lo; p < hi; ++p) sum += w[p] * load(v + (p - lo) * seq.row + d);
-                std::memcpy(o + d, &sum, sizeof sum);
+    seq.blocks([&](int64_t lo, int64_t hi, const T* values) {
+        for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
+            const T* v = values + kv * hd;  // position p's at v + (p - lo) * row
+            for (int64_t h0 = kv * s.group; h0 < (kv + 1) * s.group; h0 += kHeads) {
+                seq.ask(seq.share * kHeads);
+                switch (std::min(kHeads, (kv + 1) * s.group - h0)) {
+                    case 1: add_heads<1>(s, probs, v, seq.row, lo, hi, h0, out); break;
+                    case 2: add_heads<2>(s, probs, v, seq.row, lo, hi, h0, out); break;
+                    case 3: add_heads<3>(s, probs, v, seq.row, lo, hi, h0, out); break;
+                    default: add_heads<4>(s, probs, v, seq.row, lo, hi, h0, out); break;
+                }
             }
-            for (; d < hd; ++d) {
-                for (int64_t p = lo; p < hi; ++p) o[d] += w[p] * v[(p - lo) * seq.row + d];
+            for (int64_t h = kv * s.group; h < (kv + 1) * s.group; ++h) {  // head_dim past whole vectors
+                for (int64_t d = whole; d < hd; ++d) {
+                    for (int64_t p = lo; p < hi; ++p) out[h * hd + d] += probs[h * s.width + p] * widen(v[(p - lo) * seq.row + d]);
+                }
             }
         }
     });
@@ -171,14 +218,29 @@ void each_sequence(const Shape* s, Work work) {
     for (int64_t i = 0; i < s->decodes; ++i) work(i);
 }
 
+// Whether T's keys are multiplied in bf16 pairs.
+#ifdef __AVX512BF16__
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, uint16_t>;
+#else
+template <typename T>
+constexpr bool kPairs = false;
+#endif
+
 // q: [decodes, heads, head_dim] at a stride of s->q_stride between decodes, in the cache's dtype.
 template <typename T>
 void scores(const Shape* s, const T* q, const T* k, const int64_t* tables, const int64_t* contexts, float* out) {
     const int64_t heads = s->kv_heads * s->group;
     each_sequence(s, [&](int64_t i) {
-        std::vector<float> buffer;
-        const float* qi = widened(q + i * s->q_stride, heads * s->head_dim, buffer);
-        scores_of(Sequence<T>(*s, k, tables, contexts, i), qi, out + i * heads * s->width);
+        const T* qi = q + i * s->q_stride;
+        const Sequence<T> seq(*s, k, tables, contexts, i);
+        if constexpr (kPairs<T>) {
+            scores_of(seq, qi, out + i * heads * s->width);
+            return;
+        }
+        std::vector<float> wide(heads * s->head_dim);  // the queries in fp32
+        std::transform(qi, qi + wide.size(), wide.begin(), [](T x) { return widen(x); });
+        scores_of(seq, wide.data(), out + i * heads * s->width);
     });
 }
 
