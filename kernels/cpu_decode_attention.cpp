@@ -1,8 +1,8 @@
 // Decode attention on the CPU, reading K and V in place in the paged cache; built, loaded and
-// documented by kernels/cpu_decode_attention.py. Two passes per sequence, in parallel over them:
-// scores = scale * q . k for every key the sequence sees, then out = sum of p * v over the same
-// keys, p = softmax(scores) being computed in between by torch. Products and sums are fp32
-// whatever the cache's dtype (bf16 keys, on CPUs with AVX512-BF16, in exact pair products).
+// documented by kernels/cpu_decode_attention.py. A task is one sequence, in parallel over them: its
+// scores q . k for every key it sees, then their softmax, then out = sum of p * v over the same
+// keys, the scores and weights kept in the task's own buffer. Products and sums are fp32 whatever
+// the cache's dtype (bf16 keys, on CPUs with AVX512-BF16, in exact pair products).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,8 +18,20 @@
 namespace {
 
 struct Shape {
-    int64_t decodes, kv_heads, group, head_dim, block_size, table_width, width, window, q_stride;
+    int64_t decodes, kv_heads, group, head_dim, block_size, table_width, window, q_stride;
     float scale;
+};
+
+// A sequence's scores, then its softmax weights: [heads, span] for its positions from `first`,
+// span a whole number of vectors, -inf (then 0) past its context.
+struct Weights {
+    std::vector<float> data;
+    int64_t span, first;
+    Weights(int64_t heads, int64_t first_, int64_t context)
+        : data(heads * ((context - first_ + kVec - 1) / kVec * kVec), -INFINITY),
+          span((context - first_ + kVec - 1) / kVec * kVec), first(first_) {}
+    float* at(int64_t h, int64_t p) { return data.data() + h * span + (p - first); }
+    const float* at(int64_t h, int64_t p) const { return data.data() + h * span + (p - first); }
 };
 
 // One sequence's keys or values: positions [first, context) of its blocks, read in place.
@@ -124,33 +136,51 @@ Vec key_dots(const uint16_t* q, const uint16_t* keys, int64_t row, int64_t n, in
 }
 #endif
 
-// scores [heads, width] of the sequence's queries q [heads, head_dim] (Q: fp32, or the keys' bf16
-// where key_dots takes them in pairs); -inf at keys not seen.
+// The sequence's scores in log2 units (q . k times scale * log2(e)) for its queries q [heads,
+// head_dim] (Q: fp32, or the keys' bf16 where key_dots takes them in pairs).
 template <typename T, typename Q>
-void scores_of(Sequence<T> seq, const Q* q, float* scores) {
+void scores_of(Sequence<T> seq, const Q* q, Weights& w) {
     const Shape& s = seq.s;
     const int64_t heads = s.kv_heads * s.group, hd = s.head_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-        std::fill(scores + h * s.width, scores + h * s.width + seq.first, -INFINITY);
-        std::fill(scores + h * s.width + seq.context, scores + (h + 1) * s.width, -INFINITY);
-    }
+    const float factor = s.scale * kLog2e;
     seq.blocks([&](int64_t lo, int64_t hi, const T* keys) {
         for (int64_t h = 0; h < heads; ++h) {
             seq.ask(seq.share);
             const T* k = keys + h / s.group * hd;  // position p's at k + (p - lo) * row
             for (int64_t p = lo; p < hi; p += kVec) {
                 const int64_t n = std::min<int64_t>(kVec, hi - p);
-                const Vec dots = key_dots(q + h * hd, k + (p - lo) * seq.row, seq.row, n, hd) * s.scale;
-                std::memcpy(scores + h * s.width + p, &dots, n * sizeof(float));
+                const Vec dots = key_dots(q + h * hd, k + (p - lo) * seq.row, seq.row, n, hd) * factor;
+                std::memcpy(w.at(h, p), &dots, n * sizeof(float));
             }
         }
     });
 }
 
+// Each head's scores to softmax weights: 2^(t - max) over their sum (0 past the context).
+void softmax(Weights& w, int64_t heads) {
+    for (int64_t h = 0; h < heads; ++h) {
+        float* t = w.at(h, w.first);
+        Vec most = Vec{} - INFINITY;
+        for (int64_t j = 0; j < w.span; j += kVec) {
+            const Vec x = load(t + j);
+            most = x > most ? x : most;
+        }
+        const float top = lane_max(most);
+        Vec total = {};
+        for (int64_t j = 0; j < w.span; j += kVec) {
+            const Vec x = load(t + j), e = x == -INFINITY ? Vec{} : exp2_vec(x - top);
+            store(t + j, e);
+            total += e;
+        }
+        const float inverse = 1.0f / lane_sum(total);
+        for (int64_t j = 0; j < w.span; j += kVec) store(t + j, load(t + j) * inverse);
+    }
+}
+
 // out[h][d, d + V * kVec) += sum over positions [lo, hi) of probs[h][p] * values[p][d ..], for the
 // H query heads from h0 (of one kv head): H * V sums in registers, each over positions in order.
 template <int H, int V, typename T>
-void add_values(const Shape& s, const float* probs, const T* values, int64_t row, int64_t lo, int64_t hi,
+void add_values(const Shape& s, const Weights& probs, const T* values, int64_t row, int64_t lo, int64_t hi,
                 int64_t h0, int64_t d, float* out) {
     Vec acc[H][V];
     for (int h = 0; h < H; ++h) {
@@ -161,7 +191,7 @@ void add_values(const Shape& s, const float* probs, const T* values, int64_t row
         Vec x[V];
         for (int v = 0; v < V; ++v) x[v] = load(at + v * kVec);
         for (int h = 0; h < H; ++h) {
-            const float w = probs[(h0 + h) * s.width + p];
+            const float w = *probs.at(h0 + h, p);
             for (int v = 0; v < V; ++v) acc[h][v] += w * x[v];
         }
     }
@@ -173,18 +203,18 @@ void add_values(const Shape& s, const float* probs, const T* values, int64_t row
 // add_values for n (1 to kHeads) query heads from h0, over every whole vector of head_dim.
 constexpr int64_t kHeads = 4;
 template <int H, typename T>
-void add_heads(const Shape& s, const float* probs, const T* values, int64_t row, int64_t lo, int64_t hi,
+void add_heads(const Shape& s, const Weights& probs, const T* values, int64_t row, int64_t lo, int64_t hi,
                int64_t h0, float* out) {
     int64_t d = 0;
     for (; d + 4 * kVec <= s.head_dim; d += 4 * kVec) add_values<H, 4>(s, probs, values, row, lo, hi, h0, d, out);
     for (; d + kVec <= s.head_dim; d += kVec) add_values<H, 1>(s, probs, values, row, lo, hi, h0, d, out);
 }
 
-// out [heads, head_dim] = probs [heads, width] times the values seen: for each block and kv head,
+// out [heads, head_dim] = the weights times the values seen: for each block and kv head,
 // up to kHeads of its query heads at once, their sums in registers over the block's positions
 // (each output is still a sum over positions in order).
 template <typename T>
-void values_of(Sequence<T> seq, const float* probs, float* out) {
+void values_of(Sequence<T> seq, const Weights& probs, float* out) {
     const Shape& s = seq.s;
     const int64_t heads = s.kv_heads * s.group, hd = s.head_dim, whole = hd / kVec * kVec;
     std::fill(out, out + heads * hd, 0.0f);
@@ -202,20 +232,11 @@ void values_of(Sequence<T> seq, const float* probs, float* out) {
             }
             for (int64_t h = kv * s.group; h < (kv + 1) * s.group; ++h) {  // head_dim past whole vectors
                 for (int64_t d = whole; d < hd; ++d) {
-                    for (int64_t p = lo; p < hi; ++p) out[h * hd + d] += probs[h * s.width + p] * widen(v[(p - lo) * seq.row + d]);
+                    for (int64_t p = lo; p < hi; ++p) out[h * hd + d] += *probs.at(h, p) * widen(v[(p - lo) * seq.row + d]);
                 }
             }
         }
     });
-}
-
-// Calls work(i) for every sequence i, a sequence per OpenMP task. q, out: [decodes, heads,
-// head_dim]; scores, probs: [decodes, heads, width]; heads = kv_heads * group, the query heads of
-// kv head h being [h * group, (h + 1) * group).
-template <typename Work>
-void each_sequence(const Shape* s, Work work) {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < s->decodes; ++i) work(i);
 }
 
 // Whether T's keys are multiplied in bf16 pairs.
@@ -227,47 +248,41 @@ template <typename T>
 constexpr bool kPairs = false;
 #endif
 
-// q: [decodes, heads, head_dim] at a stride of s->q_stride between decodes, in the cache's dtype.
+// q: [decodes, heads, head_dim] at a stride of s->q_stride between decodes, in the cache's dtype,
+// the query heads of kv head h being [h * group, (h + 1) * group); out: [decodes, heads,
+// head_dim] in that dtype, each sum rounded to it once.
 template <typename T>
-void scores(const Shape* s, const T* q, const T* k, const int64_t* tables, const int64_t* contexts, float* out) {
-    const int64_t heads = s->kv_heads * s->group;
-    each_sequence(s, [&](int64_t i) {
-        const T* qi = q + i * s->q_stride;
-        const Sequence<T> seq(*s, k, tables, contexts, i);
-        if constexpr (kPairs<T>) {
-            scores_of(seq, qi, out + i * heads * s->width);
-            return;
-        }
-        std::vector<float> wide(heads * s->head_dim);  // the queries in fp32
-        std::transform(qi, qi + wide.size(), wide.begin(), [](T x) { return widen(x); });
-        scores_of(seq, wide.data(), out + i * heads * s->width);
-    });
-}
-
-// out: [decodes, heads, head_dim] in the cache's dtype, each sum rounded to it once.
-template <typename T>
-void values(const Shape* s, const float* probs, const T* v, const int64_t* tables, const int64_t* contexts, T* out) {
+void attend(const Shape* s, const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* contexts,
+            T* out) {
     const int64_t heads = s->kv_heads * s->group, n = heads * s->head_dim;
-    each_sequence(s, [&](int64_t i) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < s->decodes; ++i) {
+        const Sequence<T> keys(*s, k, tables, contexts, i), values(*s, v, tables, contexts, i);
+        Weights w(heads, keys.first, keys.context);
+        const T* qi = q + i * s->q_stride;
+        if constexpr (kPairs<T>) {
+            scores_of(keys, qi, w);
+        } else {
+            std::vector<float> wide(n);  // the queries in fp32
+            std::transform(qi, qi + n, wide.begin(), [](T x) { return widen(x); });
+            scores_of(keys, wide.data(), w);
+        }
+        softmax(w, heads);
         std::vector<float> sums(n);
-        values_of(Sequence<T>(*s, v, tables, contexts, i), probs + i * heads * s->width, sums.data());
+        values_of(values, w, sums.data());
         T* o = out + i * n;
         int64_t d = 0;
         for (; d + kVec <= n; d += kVec) store(o + d, load(sums.data() + d));
         for (; d < n; ++d) o[d] = narrow<T>(sums[d]);
-    });
+    }
 }
 
 }  // namespace
 
-#define EXPORT(NAME, T)                                                                                     \
-    extern "C" void decode_scores_##NAME(const Shape* s, const T* q, const T* k, const int64_t* tables,     \
-                                         const int64_t* contexts, float* out) {                            \
-        scores<T>(s, q, k, tables, contexts, out);                                                          \
-    }                                                                                                       \
-    extern "C" void decode_values_##NAME(const Shape* s, const float* probs, const T* v,                   \
-                                         const int64_t* tables, const int64_t* contexts, T* out) {         \
-        values<T>(s, probs, v, tables, contexts, out);                                                      \
+#define EXPORT(NAME, T)                                                                                  \
+    extern "C" void decode_attention_##NAME(const Shape* s, const T* q, const T* k, const T* v,          \
+                                            const int64_t* tables, const int64_t* contexts, T* out) {    \
+        attend<T>(s, q, k, v, tables, contexts, out);                                                    \
     }
 
 EXPORT(float32, float)

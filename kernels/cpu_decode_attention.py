@@ -15,17 +15,7 @@ import torch
 
 from kernels.cpu_library import CompiledKernel, dtype_functions
 
-_SIZES = (
-    "decodes",
-    "kv_heads",
-    "group",
-    "head_dim",
-    "block_size",
-    "table_width",
-    "width",
-    "window",
-    "q_stride",
-)
+_SIZES = ("decodes", "kv_heads", "group", "head_dim", "block_size", "table_width", "window", "q_stride")
 
 
 class _Shape(ctypes.Structure):  # Shape in the source
@@ -38,8 +28,7 @@ class CpuDecodeAttention(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._scores = dtype_functions(library, "decode_scores")
-        self._values = dtype_functions(library, "decode_values")
+        self._functions = dtype_functions(library, "decode_attention")
 
     def __call__(
         self,
@@ -60,7 +49,7 @@ class CpuDecodeAttention(CompiledKernel):
         into the qkv projection's rows is fine); k_cache, v_cache: [blocks, block_size, kv_heads,
         head_dim], contiguous, fp32, bf16 or fp16; block_tables: [decodes, max_blocks] int64; contexts:
         [decodes] int64, each at least 1 and at most max_blocks * block_size. Returns [decodes,
-        heads, head_dim] in q's dtype; scores, softmax and sums are fp32 (softmax is torch's).
+        heads, head_dim] in q's dtype; scores, softmax and sums are fp32, in one call.
         """
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
         assert block_tables.dtype == contexts.dtype == torch.int64 and block_tables.is_contiguous()
@@ -69,20 +58,13 @@ class CpuDecodeAttention(CompiledKernel):
         assert q.dtype == k_cache.dtype and q.stride(2) == 1 and q.stride(1) == head_dim
         shape = _Shape(
             decodes, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
-            block_tables.shape[1] * block_size, sliding_window or 0, q.stride(0), scale,
+            sliding_window or 0, q.stride(0), scale,
         )  # fmt: skip
         contexts = contexts.contiguous()
-        scores = torch.empty(decodes, heads, shape.width)  # [decodes, heads, width]; -inf where unseen
-        _run(self._scores[q.dtype], shape, q, k_cache, block_tables, contexts, scores)
-        probs = torch.softmax(scores, dim=-1)  # [decodes, heads, width]
         out = torch.empty(decodes, heads, head_dim, dtype=q.dtype)  # [decodes, heads, hd]
-        _run(self._values[q.dtype], shape, probs, v_cache, block_tables, contexts, out)
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_tables, contexts, out))
+        self._functions[q.dtype](ctypes.byref(shape), *pointers)
         return out
-
-
-def _run(function, shape: _Shape, *tensors: torch.Tensor) -> None:
-    pointers = (ctypes.c_void_p(t.data_ptr()) for t in tensors)
-    function(ctypes.byref(shape), *pointers)
 
 
 def cpu_decode_attention_ref(

@@ -28,8 +28,8 @@ def _case(contexts, group, block_size, dtype, kv_heads=1, head_dim=16):
 
 
 def _check(got, q, k_cache, v_cache, tables, contexts, scale, window):
-    """Within softmax_average_bound: a row sums at most its window's keys, in one pass (torch's
-    softmax over all of them, no rescaling)."""
+    """Within softmax_average_bound: a row sums at most its window's keys, in one pass (the
+    kernel's softmax over all of them, after their maximum: no rescaling)."""
     exact = cpu_decode_attention_ref(q, k_cache, v_cache, tables, contexts, scale, window)
     magnitude = cpu_decode_attention_ref(q, k_cache, v_cache.abs(), tables, contexts, scale, window)
     keys = int(contexts.max()) if window is None else min(int(contexts.max()), window)
