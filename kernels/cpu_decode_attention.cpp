@@ -25,11 +25,10 @@ struct Shape {
 // A sequence's scores, then its softmax weights: [heads, span] for its positions from `first`,
 // span a whole number of vectors, -inf (then 0) past its context.
 struct Weights {
-    std::vector<float> data;
     int64_t span, first;
+    std::vector<float> data;
     Weights(int64_t heads, int64_t first_, int64_t context)
-        : data(heads * ((context - first_ + kVec - 1) / kVec * kVec), -INFINITY),
-          span((context - first_ + kVec - 1) / kVec * kVec), first(first_) {}
+        : span((context - first_ + kVec - 1) / kVec * kVec), first(first_), data(heads * span, -INFINITY) {}
     float* at(int64_t h, int64_t p) { return data.data() + h * span + (p - first); }
     const float* at(int64_t h, int64_t p) const { return data.data() + h * span + (p - first); }
 };
@@ -39,8 +38,9 @@ template <typename T>
 struct Sequence {
     // A sequence's blocks lie anywhere in the cache, so the prefetchers cannot see where the next
     // one starts: while a block is read, the one kAhead blocks on is asked for into L2, a few lines
-    // per head, which keeps reads in flight all through (asking one block on, into L1: values took
-    // 1.1 to 1.5x as long at 100 sequences of 530 positions; asking for all of it at once, 1.25x).
+    // per head, which keeps reads in flight all through. At 100 sequences of 530 positions (bf16
+    // and fp32) a layer took 2.1x as long asking for nothing, 1.55x asking into L1, and 1 or 4
+    // blocks on were within 3% of 2.
     static constexpr int64_t kAhead = 2;
     const Shape& s;
     const T* cache;  // [blocks, block_size, kv_heads, head_dim]
@@ -92,41 +92,33 @@ struct Sequence {
     }
 };
 
-// Lane i: q . keys[i] over hd elements, for n <= kVec keys `row` elements apart (lanes past n
-// repeat the last key). Each key's products are summed in a vector, all sixteen in registers,
-// and the vectors' lanes then all at once (lane_sums).
+// acc plus one step's products of q and a key: kVec of them in fp32, or, for bf16 queries and
+// keys on CPUs with AVX512-BF16, 2 kVec in pairs (vdpbf16ps, whose products are exact and sums
+// fp32, as the prefill kernel's; a subnormal bf16 reads as zero), where widening both to fp32
+// first took 1.9x as long.
 template <typename T>
-Vec key_dots(const float* q, const T* keys, int64_t row, int64_t n, int64_t hd) {
+Vec dot_step(Vec acc, const float* q, const T* key) {
+    return acc + load(q) * load(key);
+}
+
+#ifdef __AVX512BF16__
+Vec dot_step(Vec acc, const uint16_t* q, const uint16_t* key) {
+    return (Vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)load_as<__m512i>(q), (__m512bh)load_as<__m512i>(key));
+}
+#endif
+
+// Lane i: q . keys[i] over hd elements, for n <= kVec keys `row` elements apart (lanes past n
+// repeat the last key); q is fp32, or bf16 where dot_step takes pairs. Each key's products are
+// summed in a vector, all sixteen in registers, and the vectors' lanes then all at once (lane_sums).
+template <typename Q, typename T>
+Vec key_dots(const Q* q, const T* keys, int64_t row, int64_t n, int64_t hd) {
+    constexpr int64_t step = std::is_same_v<Q, float> ? kVec : 2 * kVec;  // elements a dot_step takes
     const T* key[kVec];
     for (int64_t i = 0; i < kVec; ++i) key[i] = keys + std::min(i, n - 1) * row;
     Vec acc[kVec] = {};
     int64_t d = 0;
-    for (; d + kVec <= hd; d += kVec) {
-        const Vec qd = load(q + d);
-        for (int64_t i = 0; i < kVec; ++i) acc[i] += qd * load(key[i] + d);
-    }
-    Vec sums = lane_sums(acc);
-    for (; d < hd; ++d) {
-        for (int64_t i = 0; i < n; ++i) sums[i] += q[d] * widen(key[i][d]);
-    }
-    return sums;
-}
-
-#ifdef __AVX512BF16__
-// key_dots for bf16 queries and keys, on CPUs with AVX512-BF16: pairs of products at once
-// (vdpbf16ps, whose products are exact and sums fp32, as the prefill kernel's; a subnormal bf16
-// reads as zero), where widening both to fp32 first took 1.9x as long.
-Vec key_dots(const uint16_t* q, const uint16_t* keys, int64_t row, int64_t n, int64_t hd) {
-    constexpr int64_t kPairs = 2 * kVec;  // the elements one product step takes from each side
-    const uint16_t* key[kVec];
-    for (int64_t i = 0; i < kVec; ++i) key[i] = keys + std::min(i, n - 1) * row;
-    Vec acc[kVec] = {};
-    int64_t d = 0;
-    for (; d + kPairs <= hd; d += kPairs) {
-        const __m512bh qd = (__m512bh)load_as<__m512i>(q + d);
-        for (int64_t i = 0; i < kVec; ++i) {
-            acc[i] = (Vec)_mm512_dpbf16_ps((__m512)acc[i], qd, (__m512bh)load_as<__m512i>(key[i] + d));
-        }
+    for (; d + step <= hd; d += step) {
+        for (int64_t i = 0; i < kVec; ++i) acc[i] = dot_step(acc[i], q + d, key[i] + d);
     }
     Vec sums = lane_sums(acc);
     for (; d < hd; ++d) {
@@ -134,7 +126,6 @@ Vec key_dots(const uint16_t* q, const uint16_t* keys, int64_t row, int64_t n, in
     }
     return sums;
 }
-#endif
 
 // The sequence's scores in log2 units (q . k times scale * log2(e)) for its queries q [heads,
 // head_dim] (Q: fp32, or the keys' bf16 where key_dots takes them in pairs).
