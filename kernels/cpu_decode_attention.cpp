@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -213,8 +212,9 @@ void values_of(Sequence<T> seq, const Weights& probs, float* out) {
         for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
             const T* v = values + kv * hd;  // position p's at v + (p - lo) * row
             for (int64_t h0 = kv * s.group; h0 < (kv + 1) * s.group; h0 += kHeads) {
-                seq.ask(seq.share * kHeads);
-                switch (std::min(kHeads, (kv + 1) * s.group - h0)) {
+                const int64_t n = std::min(kHeads, (kv + 1) * s.group - h0);
+                seq.ask(seq.share * n);
+                switch (n) {
                     case 1: add_heads<1>(s, probs, v, seq.row, lo, hi, h0, out); break;
                     case 2: add_heads<2>(s, probs, v, seq.row, lo, hi, h0, out); break;
                     case 3: add_heads<3>(s, probs, v, seq.row, lo, hi, h0, out); break;

@@ -35,9 +35,8 @@ constexpr int64_t kCols = kPanelVecs * kLanes;  // a panel's outputs, a multiple
 // kAskRows rows (every tile, at decode batch sizes) ask for the weights kAhead bytes on as they
 // read theirs, so that they come in while the tile multiplies, not once it misses them. At 8 and
 // 32 rows a model's layers took 0.84 to 0.93 of the time; 4 KB to 36 KB ahead were within 3% of
-// each other. A lone row streams at the
-// memory's rate already, so its tile does not ask. (A prefetch past the weights' end does
-// not fault.)
+// each other. A lone row streams at the memory's rate already, so its tile does not ask. (A
+// prefetch past the weights' end does not fault.)
 constexpr int64_t kAhead = 16 << 10, kAskRows = 32;
 
 // Sums c to c + kVec of a row's accumulators, as a Vec.
@@ -121,7 +120,8 @@ void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int
     store_totals<R>(s, total, y, cols);
 }
 
-// tile over every row of x, the last rows in one smaller tile.
+// Panel p times every row of x: its totals started from its biases, then a tile of kRows rows
+// at a time, the last rows in one smaller tile.
 template <typename Kind, typename T = typename Kind::T>
 void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t p) {
     const int64_t cols = std::min(kCols, s.out - p * kCols);
