@@ -22,7 +22,8 @@ struct Shape {
 };
 
 // A sequence's scores, then its softmax weights: [heads, span] for its positions from `first`,
-// span a whole number of vectors, -inf (then 0) past its context.
+// span a whole number of vectors, -inf past its context (weights of 2^-126 there, below any sum's
+// last bit, which the values pass never reads).
 struct Weights {
     int64_t span, first;
     std::vector<float> data;
@@ -146,7 +147,7 @@ void scores_of(Sequence<T> seq, const Q* q, Weights& w) {
     });
 }
 
-// Each head's scores to softmax weights: 2^(t - max) over their sum (0 past the context).
+// Each head's scores to softmax weights: 2^(t - max) over their sum.
 void softmax(Weights& w, int64_t heads) {
     for (int64_t h = 0; h < heads; ++h) {
         float* t = w.at(h, w.first);
@@ -158,7 +159,7 @@ void softmax(Weights& w, int64_t heads) {
         const float top = lane_max(most);
         Vec total = {};
         for (int64_t j = 0; j < w.span; j += kVec) {
-            const Vec x = load(t + j), e = x == -INFINITY ? Vec{} : exp2_vec(x - top);
+            const Vec e = exp2_vec(load(t + j) - top);
             store(t + j, e);
             total += e;
         }
