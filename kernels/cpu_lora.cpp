@@ -141,6 +141,14 @@ void shrink_task(const Lora& a, const Task& task, const T* x, const Pages<T>& p,
     }
 }
 
+// out[0, n) = in[0, n) rounded to T.
+template <typename T>
+void rounded_row(const float* in, int64_t n, float* out) {
+    int64_t j = 0;
+    for (; j + kVec <= n; j += kVec) store(out + j, rounded<T>(load(in + j)));
+    for (; j < n; ++j) out[j] = widen(narrow<T>(in[j]));
+}
+
 // y's slice columns of the task's tokens += their shrinks in(i) [gathered * lanes] times B.
 template <typename T, typename In>
 void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T* y) {
@@ -158,11 +166,8 @@ void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T
         for (int t = 0; t < kTile; ++t) {
             const int64_t i = i0 + std::min<int64_t>(t, n_tok - 1);
             ys[t] = y + tokens[i] * a.y_stride + a.offsets[task.slice];
-            const float* in = in_of(i);
             for (int64_t held = 0; held < a.gathered; ++held) {
-                for (int64_t j = 0; j < p.rank; ++j) {
-                    buf[t * lanes + held * p.rank + j] = widen(narrow<T>(in[held * a.lanes + j]));
-                }
+                rounded_row<T>(in_of(i) + held * a.lanes, p.rank, &buf[t * lanes + held * p.rank]);
             }
         }
         int64_t c = 0;
@@ -176,7 +181,7 @@ void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T
             // Bounded by kTile, not n_tok: acc stays in registers. Bounded by n_tok, GCC kept it on
             // the stack, each FMA above waiting on the store of the last (decode steps' LoRA: 1.1-1.3x).
             for (int t = 0; t < kTile; ++t) {
-                if (t < n_tok) store(ys[t] + c, rounded<T>(load(ys[t] + c) + rounded<T>(acc[t])));
+                if (t < n_tok) store(ys[t] + c, load(ys[t] + c) + rounded<T>(acc[t]));  // store rounds the sum
             }
         }
         for (; c < size; ++c) {

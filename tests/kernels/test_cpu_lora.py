@@ -127,3 +127,22 @@ def test_a_pool_of_another_dtype_is_refused(kernel):
     _, pool, _, table = case("uniform", 1, 3, torch.bfloat16, 8, 32, sizes)
     with pytest.raises(AssertionError):
         kernel.step(table).shrink(torch.randn(8, 32), pool, first_target, 1, UNIT)
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_keeps_subnormal_outputs(kernel, dtype):
+    """y plus a zero product is y, bit for bit, subnormals kept as torch's rounding keeps them:
+    where no lane is subnormal, bf16 rounds in one instruction (vcvtneps2bf16) that reads them
+    as zero."""
+    first_target, sizes = SLICES[1]
+    _, pool, _, table = case("uniform", 1, 3, dtype, 37, 72, sizes)
+    tiny = torch.finfo(dtype).smallest_normal
+    y = torch.randn(37, sizes[0]).mul(tiny / 4).to(dtype)  # [tokens, size] mostly subnormal
+    y[y == 0] = tiny / 8  # no -0, which y + 0 makes +0
+    y[::5] = torch.randn(sizes[0], dtype=dtype)  # rows of normal values beside them
+    assert ((y.abs() < tiny) & (y != 0)).float().mean() > 0.5
+    partials = torch.zeros(1, 37, 1, table.max_rank)
+    out = kernel.step(table).expand(y.clone(), partials, pool, first_target, sizes, 72, UNIT)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), y.view(bits))
