@@ -129,7 +129,6 @@ def test_a_pool_of_another_dtype_is_refused(kernel):
         kernel.step(table).shrink(torch.randn(8, 32), pool, first_target, 1, UNIT)
 
 
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_expand_keeps_subnormal_outputs(kernel, dtype):
     """y plus a zero product is y, bit for bit, subnormals kept as torch's rounding keeps them:
