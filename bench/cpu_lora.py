@@ -2,7 +2,8 @@
 all-linear adapters with the compiled kernels that read adapter pages in place
 (kernels/cpu_lora.py) against the same steps with pages gathered for batched matmuls (the path
 without a compiler), and the base model's decode steps on the same engine: the three alternate in
-rounds. Then the seconds to prefill 8 prompts of 512 tokens, one per adapter, on each LoRA path.
+rounds. Then the seconds to prefill 8 prompts of 512 tokens, one per adapter, on each LoRA path,
+and without adapters.
 
     .venv/bin/python -m bench.cpu_lora [--dtypes float32 bfloat16] [--rounds 4]
 """
@@ -37,8 +38,9 @@ def decode_steps(engine: Engine, arms: dict[str, tuple[list[str | None], CpuKern
     return {arm: statistics.median(times) for arm, times in steps.items()}
 
 
-def prefill_seconds(engine: Engine, names: list[str], kernels: CpuKernels) -> float:
-    """Seconds to prefill one LONG_PROMPT-token prompt per adapter and draw each one token."""
+def prefill_seconds(engine: Engine, names: list[str | None], kernels: CpuKernels) -> float:
+    """Seconds to prefill one LONG_PROMPT-token prompt per entry of `names` (an adapter or None)
+    and draw each one token."""
     engine.runner.cpu_kernels = kernels
     return timed_prefill(engine, names, LONG_PROMPT)[0]
 
@@ -53,14 +55,20 @@ def compare(model_dir: Path, dtype: str, folders: list[Path], rounds: int) -> st
     arms = {"base": ([None] * REQUESTS, kernels), "kernels": (mixed, kernels), "gathered": (mixed, gathered)}
     step = decode_steps(engine, arms, rounds)
     names = [folder.name for folder in folders]
+    prefill_arms = {
+        "base": ([None] * ADAPTERS, kernels),
+        "kernels": (names, kernels),
+        "gathered": (names, gathered),
+    }
     prefill = {
-        path: statistics.median(prefill_seconds(engine, names, k) for _ in range(3))
-        for path, k in (("kernels", kernels), ("gathered", gathered))
+        arm: statistics.median(times)
+        for arm, times in alternate(prefill_arms, 3, lambda arm: prefill_seconds(engine, *arm)).items()
     }
     return (
         f"{dtype:9s} {step['base'] * 1e3:7.2f}  {step['kernels'] * 1e3:10.2f}  {step['gathered'] * 1e3:11.2f}"
-        f"  {step['base'] / step['kernels']:15.3f}  {step['base'] / step['gathered']:16.3f}"
-        f"  {prefill['kernels']:13.2f}  {prefill['gathered']:14.2f}"
+        f"  {step['base'] / step['kernels']:12.3f}  {step['base'] / step['gathered']:13.3f}"
+        f"  {prefill['base']:16.2f}  {prefill['kernels']:9.2f}  {prefill['gathered']:10.2f}"
+        f"  {prefill['base'] / prefill['kernels']:12.3f}"
     )
 
 
@@ -74,7 +82,7 @@ def main() -> None:
     model_dir = default_model_dir()
     print(
         "dtype     base ms  kernels ms  gathered ms  base/kernels  base/gathered"
-        "  prefill s (kernels)  (gathered)"
+        "  prefill s: base  kernels  gathered  base/kernels"
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = ModelConfig.from_dir(model_dir)

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 PAGE_RANK = 8  # rank rows per page
 TILE_ROWS = 16  # tokens per Triton program: the smallest M tl.dot takes
-# On the CPU, a run of this many tokens of one adapter is its own chunk, read in place: more than
-# gathering, padding and scattering them would cost beside other adapters' few tokens
+# On the torch path, a run of this many tokens of one adapter is its own chunk, read in place: more
+# than gathering, padding and scattering them would cost beside other adapters' few tokens
 RUN_ROWS = 64
 
 
@@ -163,13 +163,11 @@ class LoraBatch:
 
     Semantics: token i of the flattened batch uses the resident adapter `token_slots[i]` (a
     handle of the adapter memory; -1: the base model alone), whose pages `adapters` gives. On
-    the CPU, `rows[t]` is target t's batched work, one PageChunks per page count among the
+    the Triton kernels' path (`kernels`, by default on CUDA) and on the CPU with the compiled
+    kernels (`cpu_lora`), `table` holds the step (None: no token uses an adapter). On the CPU
+    without them, `rows[t]` is target t's batched work, one PageChunks per page count among the
     step's adapters, and one per long run of one adapter's tokens (None: no token's adapter
-    targets t, and the target costs nothing); on the Triton kernels' path (`kernels`, by
-    default on CUDA) `table` holds the step (None: no token uses an adapter). On the CPU with
-    the compiled kernels (`cpu_lora`), `table` holds the tokens outside runs of RUN_ROWS of one
-    adapter (decodes: read page by page, in one call a layer's module), and `rows` the long runs
-    (prefill chunks: batched matmuls over one adapter's many tokens are faster there).
+    targets t, and the target costs nothing).
     """
 
     rows: tuple[tuple[PageChunks, ...] | None, ...] | None
@@ -198,17 +196,13 @@ class LoraBatch:
         step = StepAdapters(token_slots, frozenset(groups), adapters, device, kernels, cpu_lora)
         if kernels:
             return cls(None, _table(groups, adapters, device), step)
+        if cpu_lora:  # the compiled kernels take every token, prefill chunks and decodes alike
+            table = _table(groups, adapters, device)
+            return cls(None, table, step, cpu_lora.step(table) if table else None)
         runs = {slot: _consecutive(toks) for slot, toks in groups.items()}  # the same on every target
-        table = cpu_step = None
-        if cpu_lora:  # the compiled kernels take every token but those of long runs
-            short = {slot: [t for run in rs if len(run) < RUN_ROWS for t in run] for slot, rs in runs.items()}
-            table = _table({slot: toks for slot, toks in short.items() if toks}, adapters, device)
-            cpu_step = cpu_lora.step(table) if table else None
-            long = {slot: [run for run in rs if len(run) >= RUN_ROWS] for slot, rs in runs.items()}
-            runs = {slot: rs for slot, rs in long.items() if rs}
         targets = len(next(iter(adapters.values())).ranks) if adapters else 0
         rows = tuple(_page_rows(runs, adapters, t, len(token_slots), device) for t in range(targets))
-        return cls(rows, table, step, cpu_step)
+        return cls(rows, None, step)
 
     def for_experts(
         self, pair_tokens: list[int], pair_experts: list[int], shifts: tuple[int, ...]

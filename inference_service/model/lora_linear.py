@@ -121,13 +121,13 @@ def add_lora(
     adapter's part, which meets the other ranks' (every rank makes the same calls)."""
     out, sizes = split.outputs(y, slice_sizes) if split else (y, slice_sizes)
     gathered = split.gathered if split else 1
-    if lora.cpu_lora is not None:  # the compiled CPU kernels on the step's segments; long runs below
+    if lora.cpu_lora is not None:  # the compiled CPU kernels on the step's segments
         if split is None:
-            lora.cpu_lora.shrink_expand(y, x, pool, first_target, sizes, unit)
-        else:
-            partials = split.partials(lora.cpu_lora.shrink(x, pool, first_target, len(sizes), unit))
-            lora.cpu_lora.expand(out, partials, pool, first_target, sizes, x.shape[1], unit, gathered)
-    elif lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing
+            return lora.cpu_lora.shrink_expand(y, x, pool, first_target, sizes, unit)
+        partials = split.partials(lora.cpu_lora.shrink(x, pool, first_target, len(sizes), unit))
+        lora.cpu_lora.expand(out, partials, pool, first_target, sizes, x.shape[1], unit, gathered)
+        return y
+    if lora.table is not None:  # the Triton kernels' path: tiles without tokens do nothing
         partials = lora_shrink_triton(x, pool, lora.table, first_target, len(sizes), unit)
         if split is not None:
             partials = split.partials(partials)

@@ -17,9 +17,8 @@ from tests.kernels.lora_checks import (
     expand_close,
     lora_bound,
     shrink_close,
-    whole_pages,
 )
-from tests.kernels.paged_adapters import UNIT
+from tests.kernels.paged_adapters import UNIT, paged_adapters
 from tests.kernels.rounding import assert_within
 from tests.kernels.slot_spread import SPREADS
 
@@ -98,16 +97,15 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_step_of_decodes_and_prefill_runs_takes_the_kernels_and_batched_matmuls(kernel, dtype):
-    """The step as the engine mixes them: decodes of several adapters go to the kernels, one
-    adapter's prefill chunk of RUN_ROWS + 5 tokens to a batched matmul read in place; together
-    they round as PEFT does."""
+def test_a_step_of_decodes_and_prefill_runs_takes_the_kernels_for_every_token(kernel, dtype):
+    """The step as the engine mixes them: decodes of several adapters and one adapter's prefill
+    chunk of RUN_ROWS + 5 tokens (which the torch path reads apart, in place) all go to the
+    kernels, segments longer than a task's tokens among them; together they round as PEFT does."""
     first_target, sizes = SLICES[2]
-    pool, adapters = whole_pages(first_target, 40, sizes, dtype)  # batched matmuls read whole pages
+    pool, adapters = paged_adapters(first_target, 40, sizes, dtype)  # NaN past each rank
     slots = [1, 2, -1, *[0] * (RUN_ROWS + 5), 3, *[2] * (RUN_ROWS - 1), -1, 2, 1]
     batch = LoraBatch.build(slots, adapters, cpu_lora=kernel)
-    assert [work.rows for work in batch.rows[first_target]] == [RUN_ROWS + 5]
-    assert batch.table.tokens.numel() == len(slots) - (RUN_ROWS + 5) - 2
+    assert batch.rows is None and batch.table.tokens.numel() == len(slots) - 2
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(len(slots), 40, generator=generator).to(dtype)
     y = torch.randn(len(slots), sum(sizes), generator=generator).to(dtype)
