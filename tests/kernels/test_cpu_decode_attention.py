@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.cpu_decode_attention import CpuDecodeAttention, cpu_decode_attention_ref
+from tests.kernels.guard_pages import guarded, in_child
 from tests.kernels.paged_cache import paged_cache
 from tests.kernels.rounding import assert_within, attention_bound
 
@@ -140,3 +141,28 @@ def test_queries_of_another_dtype_are_refused(kernel):
     q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.bfloat16)
     with pytest.raises(AssertionError):
         kernel(q.float(), k_cache, v_cache, tables, contexts, 0.25, None)
+
+
+def reads_within_the_cache_and_the_table() -> None:
+    """In a child (guard_pages.in_child): blocks of 4 rows, fewer than a group of 16 keys, the last
+    sequence's last block the cache's last, and its context a whole table row. A key read past its
+    block (past a partial group), or a table entry read past the row (for the prefetch of a block
+    past the context), reads the page after the cache or the table and faults."""
+    kernel, why = CpuDecodeAttention.load()
+    assert kernel is not None, why
+    block_size, kv_heads, head_dim, contexts = 4, 1, 16, [7, 8]
+    tables = guarded((2, 2), torch.int64)  # [decodes, max_blocks]
+    tables.copy_(torch.tensor([[1, 2], [3, 4]]))  # block 0 padding; block 4 the cache's last
+    for dtype in DTYPES:
+        k_cache, v_cache = (guarded((5, block_size, kv_heads, head_dim), dtype) for _ in range(2))
+        for cache in (k_cache, v_cache):
+            cache.copy_(torch.randn(cache.shape))
+        q = torch.randn(2, 3, head_dim, dtype=dtype) * Q_STD
+        contexts_t = torch.tensor(contexts)
+        out = kernel(q, k_cache, v_cache, tables, contexts_t, 0.25, None)
+        _check(out, q, k_cache, v_cache, tables, contexts_t, 0.25, None)
+
+
+def test_reads_nothing_past_the_cache_or_the_table():
+    child = in_child(__name__, reads_within_the_cache_and_the_table.__name__)
+    assert child.returncode == 0, f"return code {child.returncode}: {child.stderr[-2000:]}"

@@ -3,6 +3,8 @@ Triton pair is checked on (tests/kernels/lora_checks.py): the pool holds NaN whe
 must not read, so a stray read fails the comparison. Widths that are not a multiple of the
 vector's sixteen lanes, and segments longer than one task's tokens, are among them."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from inference_service.model.lora_linear import add_lora
 from kernels.cpu_lora import CpuLora
 from kernels.lora_batch import RUN_ROWS, LoraBatch
 from kernels.lora_bmm import lora_ref
+from tests.kernels.guard_pages import guarded, in_child
 from tests.kernels.lora_checks import (
     DTYPES,
     SLICES,
@@ -143,3 +146,40 @@ def test_expand_keeps_subnormal_outputs(kernel, dtype):
     out = kernel.step(table).expand(y.clone(), partials, pool, first_target, sizes, 72, UNIT)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(out.view(bits), y.view(bits))
+
+
+def reads_within_the_tokens_and_the_rows() -> None:
+    """In a child (guard_pages.in_child): the step's last segment holds 2 tokens, a tile's part,
+    at the end of the table's tokens; x's and y's last rows are a LoRA token's. A tile that read
+    a token past its segment (rather than repeating its last), or a row past x or y, reads the
+    page after them and faults."""
+    kernel, why = CpuLora.load()
+    assert kernel is not None, why
+    first_target, sizes = SLICES[3]
+    slots = [0, 1, 1, 2, 0, 1, 3, 2, 0, 1, 3]  # segments in the order of first use: adapter 3's last
+    for dtype in DTYPES:
+        pool, adapters = paged_adapters(first_target, 40, sizes, dtype)
+        table = LoraBatch.build(slots, adapters, kernels=True).table
+        assert table.lengths.tolist()[-1] == 2
+        tokens = guarded(tuple(table.tokens.shape), torch.int32)
+        tokens.copy_(table.tokens)
+        step = kernel.step(dataclasses.replace(table, tokens=tokens))
+        x, y = guarded((len(slots), 40), dtype), guarded((len(slots), sum(sizes)), dtype)
+        x.copy_(torch.randn(x.shape))
+        y.copy_(torch.randn(y.shape))
+        out = step.shrink_expand(y.clone(), x, pool, first_target, sizes, UNIT)
+        partials = step.shrink(x, pool, first_target, len(sizes), UNIT)
+        shrink_close(partials, x, pool, slots, adapters, first_target, len(sizes))
+        expanded = step.expand(y.clone(), partials, pool, first_target, sizes, 40, UNIT)
+        expand_close(expanded, y, partials, pool, slots, adapters, first_target, sizes, 40, casts=3)
+        offset = 0
+        for s, size in enumerate(sizes):
+            target, columns = first_target + s, slice(offset, offset + size)
+            exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
+            assert_within(out[:, columns], exact, lora_bound(y[:, columns], x, pool, slots, adapters, target))
+            offset += size
+
+
+def test_reads_nothing_past_the_tokens_or_the_rows():
+    child = in_child(__name__, reads_within_the_tokens_and_the_rows.__name__)
+    assert child.returncode == 0, f"return code {child.returncode}: {child.stderr[-2000:]}"
