@@ -2,6 +2,7 @@
 PEFT's (`adapter_names=`) as closely as fp32 allows (tests/fp32_agreement.py), for prefill and for
 decode steps."""
 
+import contextlib
 from dataclasses import fields
 from unittest import mock
 
@@ -15,7 +16,14 @@ from inference_service.engine.block_manager import BlockManager
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.cpu_kernels import CpuKernels
+from kernels.cpu_linear import CpuLinear
+from kernels.cpu_lora import CpuLoraStep
+from kernels.cpu_prefill_attention import CpuPrefillAttention
+from kernels.cpu_rms_norm import CpuRmsNorm
+from kernels.cpu_rope import CpuRope
+from kernels.cpu_swiglu import CpuSwiglu
 from shared.base_vocab import BaseVocab
 from shared.peft_checkpoint import load_peft_adapter
 from tests.conftest import TINY_ADAPTERS
@@ -132,7 +140,42 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, path, tiny_
         runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
         assert all(getattr(runner.cpu_kernels, kernel.name) is not None for kernel in fields(CpuKernels))
     kernels = path == "triton"
-    assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=1, kernels=kernels)
+    with counted_calls(ENTRY_POINTS) as calls:
+        assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=1, kernels=kernels)
+    if path == "compiled":  # each kernel ran, not only loaded: none is left out of the forward
+        assert all(calls.values()), f"kernels never called: {[name for name, n in calls.items() if not n]}"
+    elif path == "torch":
+        assert not any(calls.values()), calls
+
+
+# Where each compiled CPU kernel is called (the LoRA kernels through the step's CpuLoraStep).
+ENTRY_POINTS = {
+    "decode_attention": (CpuDecodeAttention, "__call__"),
+    "prefill_attention": (CpuPrefillAttention, "__call__"),
+    "lora": (CpuLoraStep, "shrink_expand"),
+    "rope": (CpuRope, "__call__"),
+    "rms_norm": (CpuRmsNorm, "__call__"),
+    "swiglu": (CpuSwiglu, "__call__"),
+    "linear": (CpuLinear, "__call__"),
+}
+
+
+@contextlib.contextmanager
+def counted_calls(entry_points: dict[str, tuple[type, str]]):
+    """Counts the calls of each (class, method) of `entry_points` by name, within the block."""
+    calls = dict.fromkeys(entry_points, 0)
+
+    def counting(name, method):
+        def counted(self, *args, **kwargs):
+            calls[name] += 1
+            return method(self, *args, **kwargs)
+
+        return counted
+
+    with contextlib.ExitStack() as stack:
+        for name, (cls, attribute) in entry_points.items():
+            stack.enter_context(mock.patch.object(cls, attribute, counting(name, getattr(cls, attribute))))
+        yield calls
 
 
 def assert_decode_agrees(
