@@ -194,11 +194,9 @@ class LoraBatch:
             if slot >= 0:
                 groups.setdefault(slot, []).append(token)
         step = StepAdapters(token_slots, frozenset(groups), adapters, device, kernels, cpu_lora)
-        if kernels:
-            return cls(None, _table(groups, adapters, device), step)
-        if cpu_lora:  # the compiled kernels take every token, prefill chunks and decodes alike
+        if kernels or cpu_lora:  # the Triton kernels, or the compiled CPU ones: every token in the table
             table = _table(groups, adapters, device)
-            return cls(None, table, step, cpu_lora.step(table) if table else None)
+            return cls(None, table, step, cpu_lora.step(table) if cpu_lora and table else None)
         runs = {slot: _consecutive(toks) for slot, toks in groups.items()}  # the same on every target
         targets = len(next(iter(adapters.values())).ranks) if adapters else 0
         rows = tuple(_page_rows(runs, adapters, t, len(token_slots), device) for t in range(targets))

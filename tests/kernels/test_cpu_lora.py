@@ -91,6 +91,11 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
     out = y.clone()
     if table is not None:  # None: no token uses an adapter (one base-model token), and no call is made
         kernel.step(table).shrink_expand(out, x, pool, first_target, sizes, UNIT)
+    _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes)
+
+
+def _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes):
+    """out, y plus each slice's LoRA product, against lora_ref within lora_bound, slice by slice."""
     offset = 0
     for s, size in enumerate(sizes):
         target, columns = first_target + s, slice(offset, offset + size)
@@ -113,13 +118,7 @@ def test_a_step_of_decodes_and_prefill_runs_takes_the_kernels_for_every_token(ke
     x = torch.randn(len(slots), 40, generator=generator).to(dtype)
     y = torch.randn(len(slots), sum(sizes), generator=generator).to(dtype)
     out = add_lora(y.clone(), x, batch, pool, UNIT, first_target, sizes)
-    for s, columns in enumerate((slice(0, sizes[0]), slice(sizes[0], sum(sizes)))):
-        exact = lora_ref(
-            y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, first_target + s
-        )
-        assert_within(
-            out[:, columns], exact, lora_bound(y[:, columns], x, pool, slots, adapters, first_target + s)
-        )
+    _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes)
 
 
 def test_a_pool_of_another_dtype_is_refused(kernel):
@@ -172,12 +171,7 @@ def reads_within_the_tokens_and_the_rows() -> None:
         shrink_close(partials, x, pool, slots, adapters, first_target, len(sizes))
         expanded = step.expand(y.clone(), partials, pool, first_target, sizes, 40, UNIT)
         expand_close(expanded, y, partials, pool, slots, adapters, first_target, sizes, 40, casts=3)
-        offset = 0
-        for s, size in enumerate(sizes):
-            target, columns = first_target + s, slice(offset, offset + size)
-            exact = lora_ref(y[:, columns].double(), x.double(), pool.double(), UNIT, slots, adapters, target)
-            assert_within(out[:, columns], exact, lora_bound(y[:, columns], x, pool, slots, adapters, target))
-            offset += size
+        _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes)
 
 
 def test_reads_nothing_past_the_tokens_or_the_rows():
