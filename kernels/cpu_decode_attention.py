@@ -28,7 +28,7 @@ class CpuDecodeAttention(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = dtype_functions(library, "decode_attention")
+        self._functions = dtype_functions(library, "decode_attention", 7)
 
     def __call__(
         self,
@@ -55,15 +55,16 @@ class CpuDecodeAttention(CompiledKernel):
         assert block_tables.dtype == contexts.dtype == torch.int64 and block_tables.is_contiguous()
         decodes, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        assert q.dtype == k_cache.dtype and q.stride(2) == 1 and q.stride(1) == head_dim
+        q_row, q_head, step = q.stride()
+        assert q.dtype == k_cache.dtype and step == 1 and q_head == head_dim and q.is_cpu
         shape = _Shape(
             decodes, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
-            sliding_window or 0, q.stride(0), scale,
+            sliding_window or 0, q_row, scale,
         )  # fmt: skip
         contexts = contexts.contiguous()
-        out = torch.empty(decodes, heads, head_dim, dtype=q.dtype)  # [decodes, heads, hd]
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_tables, contexts, out))
-        self._functions[q.dtype](ctypes.byref(shape), *pointers)
+        out = q.new_empty(decodes, heads, head_dim)  # [decodes, heads, hd]
+        tensors = (q, k_cache, v_cache, block_tables, contexts, out)
+        self._functions[q.dtype](ctypes.byref(shape), *[t.data_ptr() for t in tensors])
         return out
 
 

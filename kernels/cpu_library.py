@@ -41,9 +41,13 @@ class CompiledKernel:
         return (cls(library) if library else None), why
 
 
-def dtype_functions(library: ctypes.CDLL, prefix: str) -> dict:
-    """dtype -> the library's function `prefix`_<dtype name> for it."""
-    return {dtype: getattr(library, f"{prefix}_{suffix}") for dtype, suffix in DTYPE_NAMES.items()}
+def dtype_functions(library: ctypes.CDLL, prefix: str, pointers: int) -> dict:
+    """dtype -> the library's function `prefix`_<dtype name> for it, which takes `pointers`
+    pointers (its shape's, then its tensors', which may be passed as ints: data_ptr())."""
+    functions = {dtype: getattr(library, f"{prefix}_{suffix}") for dtype, suffix in DTYPE_NAMES.items()}
+    for function in functions.values():
+        function.argtypes = (ctypes.c_void_p,) * pointers
+    return functions
 
 
 def load_cpu_library(source: Path, directory: Path | None = None) -> tuple[ctypes.CDLL | None, str]:

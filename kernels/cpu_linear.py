@@ -42,6 +42,8 @@ class CpuLinear(CompiledKernel):
         self._functions = {torch.float32: library.linear_float32}
         if hasattr(library, "linear_bfloat16"):  # built where the CPU has AVX512-BF16
             self._functions[torch.bfloat16] = library.linear_bfloat16
+        for function in self._functions.values():  # the shape's, x's, the panels', the bias', y's
+            function.argtypes = (ctypes.c_void_p,) * 5
         library.linear_panel_columns.restype = ctypes.c_int64
         self.columns = library.linear_panel_columns()  # the outputs a panel holds
 
@@ -73,12 +75,13 @@ class CpuLinear(CompiledKernel):
         inputs at a time and adds each block's sum to the bias and the blocks before it; bf16 sums
         them all in fp32, adds the bias and rounds once."""
         tokens, inputs = x.shape
-        assert x.dtype == panels.dtype and x.dtype in self._functions and x.stride(1) == 1
-        assert panels.shape == (-(-out // self.columns), inputs, self.columns) and panels.is_contiguous()
+        x_row, step = x.stride()
+        count = -(-out // self.columns)
+        assert step == 1 and x.is_cpu and x.dtype == panels.dtype and x.dtype in self._functions
+        assert panels.shape == (count, inputs, self.columns) and panels.is_contiguous()
         assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
         y = x.new_empty(tokens, out)  # [tokens, out]
-        shape = _Linear(tokens, out, inputs, x.stride(0), out, panels.shape[0], SUM_BLOCK)
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (x, panels))
-        bias_pointer = ctypes.c_void_p(None if bias is None else bias.data_ptr())
-        self._functions[x.dtype](ctypes.byref(shape), *pointers, bias_pointer, ctypes.c_void_p(y.data_ptr()))
+        shape = _Linear(tokens, out, inputs, x_row, out, count, SUM_BLOCK)
+        pointers = (x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
+        self._functions[x.dtype](ctypes.byref(shape), *pointers)
         return y

@@ -37,7 +37,7 @@ class CpuPrefillAttention(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = dtype_functions(library, "prefill_attention")
+        self._functions = dtype_functions(library, "prefill_attention", 5)
 
     def step(
         self, tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor
@@ -79,8 +79,7 @@ class CpuPrefillAttention(CompiledKernel):
             chunks, kv_heads, heads // kv_heads, head_dim, block_size, block_tables.shape[1],
             q.stride(0), out.stride(0), sliding_window or 0, scale, *(t.data_ptr() for t in metadata),
         )  # fmt: skip
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, out))
-        self._functions[q.dtype](ctypes.byref(shape), *pointers)
+        self._functions[q.dtype](ctypes.byref(shape), *[t.data_ptr() for t in (q, k_cache, v_cache, out)])
         return out
 
 

@@ -27,16 +27,16 @@ class CpuRmsNorm(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = dtype_functions(library, "rms_norm")
+        self._functions = dtype_functions(library, "rms_norm", 4)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Semantics: out[r] = weight * to_dtype(x[r] / sqrt(mean(x[r]^2) + eps)), computed in fp32
         for each row r of x [rows, size] (rows contiguous), weight [size] of x's dtype."""
         rows, size = x.shape
-        assert x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (size,)
-        assert weight.dtype == x.dtype and x.device.type == "cpu"
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [rows, size]
-        shape = _Norm(rows, size, x.stride(0), size, eps)
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (x, weight, out))
-        self._functions[x.dtype](ctypes.byref(shape), *pointers)
+        x_stride, step = x.stride()
+        assert step == 1 and x.is_cpu and weight.dtype == x.dtype and weight.shape == (size,)
+        assert weight.is_contiguous()
+        out = x.new_empty(rows, size)  # [rows, size]
+        shape = _Norm(rows, size, x_stride, size, eps)
+        self._functions[x.dtype](ctypes.byref(shape), x.data_ptr(), weight.data_ptr(), out.data_ptr())
         return out

@@ -27,7 +27,7 @@ class CpuRope(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = dtype_functions(library, "rope")
+        self._functions = dtype_functions(library, "rope", 4)
 
     def __call__(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int
@@ -39,9 +39,9 @@ class CpuRope(CompiledKernel):
         qkv: [tokens, row] with row >= heads * head_dim, rows contiguous; cos, sin: [tokens,
         head_dim] contiguous, of qkv's dtype; head_dim even."""
         tokens, row = qkv.shape
-        assert qkv.stride(1) == 1 and heads * head_dim <= row and head_dim % 2 == 0
+        qkv_row, step = qkv.stride()
+        assert step == 1 and heads * head_dim <= row and head_dim % 2 == 0 and qkv.is_cpu
         assert cos.dtype == sin.dtype == qkv.dtype and cos.is_contiguous() and sin.is_contiguous()
-        assert cos.shape == sin.shape == (tokens, head_dim) and qkv.device.type == "cpu"
-        shape = _Rope(tokens, heads, head_dim, qkv.stride(0))
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (qkv, cos, sin))
-        self._functions[qkv.dtype](ctypes.byref(shape), *pointers)
+        assert cos.shape == sin.shape == (tokens, head_dim)
+        shape = _Rope(tokens, heads, head_dim, qkv_row)
+        self._functions[qkv.dtype](ctypes.byref(shape), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr())

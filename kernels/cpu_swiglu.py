@@ -28,16 +28,16 @@ class CpuSwiglu(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = dtype_functions(library, "swiglu")
+        self._functions = dtype_functions(library, "swiglu", 3)
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Semantics: F.silu(gate) * up for gate, up = gate_up.chunk(2, -1), silu computed in fp32
         and rounded to gate_up's dtype, the product rounded again. gate_up: [tokens, 2 * size],
         rows contiguous; returns [tokens, size]."""
         tokens, width = gate_up.shape
-        assert gate_up.stride(1) == 1 and width % 2 == 0 and gate_up.device.type == "cpu"
+        row, step = gate_up.stride()
+        assert step == 1 and width % 2 == 0 and gate_up.is_cpu
         out = gate_up.new_empty(tokens, width // 2)  # [tokens, size]
-        shape = _Swiglu(tokens, width // 2, gate_up.stride(0), width // 2)
-        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (gate_up, out))
-        self._functions[gate_up.dtype](ctypes.byref(shape), *pointers)
+        shape = _Swiglu(tokens, width // 2, row, width // 2)
+        self._functions[gate_up.dtype](ctypes.byref(shape), gate_up.data_ptr(), out.data_ptr())
         return out

@@ -121,6 +121,31 @@ def test_a_step_of_decodes_and_prefill_runs_takes_the_kernels_for_every_token(ke
     _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes)
 
 
+def test_a_steps_calls_are_checked_and_shaped_by_their_strides_and_dtypes(kernel):
+    """A step builds and checks each call shape once, then its layers' calls pass only pointers:
+    a call whose y has other strides (a view into wider rows) is shaped for them, not the first's,
+    and one whose rows are not contiguous or whose dtype is not the pool's is refused, though a
+    call of the same shape ran before."""
+    first_target, sizes = SLICES[3]
+    slots, pool, adapters, table = case("uniform", 3, 3, torch.float32, 8, 40, sizes)
+    step = kernel.step(table)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 40, generator=generator)
+    y = torch.randn(8, sum(sizes), generator=generator)
+    wide = torch.randn(8, sum(sizes) + 9, generator=generator)
+    out, out_wide = y.clone(), wide.clone()
+    step.shrink_expand(out, x, pool, first_target, sizes, UNIT)
+    step.shrink_expand(out_wide[:, 4 : 4 + sum(sizes)], x, pool, first_target, sizes, UNIT)
+    _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes)
+    inside = out_wide[:, 4 : 4 + sum(sizes)]
+    _assert_rounds_as_peft(inside, wide[:, 4 : 4 + sum(sizes)], x, pool, slots, adapters, first_target, sizes)
+    assert torch.equal(out_wide[:, :4], wide[:, :4]) and torch.equal(out_wide[:, -5:], wide[:, -5:])
+    with pytest.raises(AssertionError):  # rows of x not contiguous
+        step.shrink_expand(y.clone(), torch.randn(8, 80)[:, ::2], pool, first_target, sizes, UNIT)
+    with pytest.raises(AssertionError):  # y of another dtype than x and the pool
+        step.shrink_expand(y.double(), x, pool, first_target, sizes, UNIT)
+
+
 def test_a_pool_of_another_dtype_is_refused(kernel):
     """The library reads the pool as x's dtype: a mismatch would read garbage, not fail."""
     first_target, sizes = SLICES[1]
