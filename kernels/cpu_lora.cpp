@@ -218,11 +218,26 @@ void expand(const Lora& a, float* partials, const T* pool, T* y) {
     });
 }
 
+// Asks for every line of a task's pages (into L2) before reading any: at decode they come from
+// memory, a few tens of KB a task, and asked for at once more of them are on their way together
+// than the rows' own prefetches bring (a decode step's LoRA calls, batches 1 and 8 in bf16: 0.89 to
+// 0.95 of the time). A segment's later tasks (a prefill's) find them in cache.
+template <typename T>
+void ask_for_pages(const Lora& a, const Task& task, const Pages<T>& p) {
+    if (task.first != 0) return;
+    const int64_t bytes = kPageRank * (a.in_features + a.gathered * a.sizes[task.slice]) * sizeof(T);
+    for (int64_t j = 0; j < p.rank; j += kPageRank) {
+        const char* page = reinterpret_cast<const char*>(p.page(j));
+        for (int64_t k = 0; k < bytes; k += 64) ask_for_line(page + k);
+    }
+}
+
 // Both in one pass, a task's shrinks kept for its own expand (no tensor-parallel exchange between).
 template <typename T>
 void shrink_expand(const Lora& a, const T* x, const T* pool, T* y) {
     each_task(a, [&](const Task& task) {
         const Pages<T> p(a, pool, task);
+        ask_for_pages(a, task, p);
         std::vector<float> shrunk(kTaskTokens * a.lanes);
         auto row = [&](int64_t i) { return shrunk.data() + (i - task.first) * a.lanes; };
         shrink_task(a, task, x, p, row);

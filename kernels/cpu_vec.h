@@ -31,6 +31,16 @@ inline V load_as(const T* x) {
 }
 
 inline Vec load(const float* x) { return load_as<Vec>(x); }
+
+// Asks for the cache line holding p into L2. GCC dropped a loop of __builtin_prefetch calls and
+// nothing else (as having no effect): this instruction it keeps.
+inline void ask_for_line(const void* p) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
 // fp16 to fp32 and back (round to nearest even), sixteen lanes in one instruction where AVX-512 has
 // it: GCC 12 converts _Float16 vectors a lane at a time on CPUs without AVX512-FP16 (the decode
 // kernel's fp16 keys took 1.4x as long as its fp32 ones so).
