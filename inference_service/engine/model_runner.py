@@ -12,6 +12,7 @@ from inference_service.engine.adapter_memory import adapter_memory_units, check_
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
 from inference_service.engine.grammars import mask_rows
+from inference_service.engine.huge_pages import move_to_huge_pages
 from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_blocks, cuda_blocks, sized_by
 from inference_service.engine.rank_group import RankGroup, RankReport
 from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
@@ -81,6 +82,8 @@ class ModelRunner:
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold
         # and the scratch block the padding rows of a decode graph write to
         self.cache = self._kv_cache(self.num_blocks + 1)
+        if self.device.type == "cpu":
+            log.info("Weights, adapter memory and KV cache: %s", move_to_huge_pages(self._tensors()))
         self.ranks = (RankReport(self.parallel.shard.rank, **self.memory_report()),)  # the others: start
         self.graphs = None
         # An MoE step's expert tiles depend on its routing (read on the host): no graph replays
@@ -112,6 +115,10 @@ class ModelRunner:
         pool = model.lora_pool.numel() * model.lora_pool.element_size()
         kv = 2 * self.cache.k.numel() * self.cache.k.element_size()
         return {"weight_bytes": weights - pool, "adapter_memory_bytes": pool, "kv_cache_bytes": kv}
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """What this rank holds: the model's tensors (adapter memory among them) and the KV cache."""
+        return [*self.model.tensors(), self.cache.k, self.cache.v]
 
     def close(self) -> None:
         """Stop the other ranks, if any."""

@@ -227,8 +227,17 @@ class LlamaModel(nn.Module):
 
     def packed_bytes(self) -> int:
         """Bytes of the weights pack() laid out for the CPU (outside parameters and buffers)."""
+        return sum(w.nbytes() for w in self._packed())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the model holds: its parameters, its buffers (adapter memory among them)
+        and the weights pack() laid out."""
+        packed = [t for weights in self._packed() for t in weights.tensors()]
+        return [*self.parameters(), *self.buffers(), *packed]
+
+    def _packed(self) -> "list[PanelWeight | PackedWeight]":
         weights = [m.packed for m in self.modules() if isinstance(m, DenseWeight)] + [self.packed_head]
-        return sum(w.nbytes() for w in weights if w is not None)
+        return [w for w in weights if w is not None]
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Returns logits [logit_rows, vocab] in fp32."""

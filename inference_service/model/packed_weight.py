@@ -52,6 +52,9 @@ class PanelWeight:
         x = x if x.stride(1) == 1 else x.contiguous()
         return self.kernel(x, self.panels, self.out, bias)  # [tokens, out]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.panels,)
+
     def nbytes(self) -> int:
         """W's bytes, its last panel's padding rows left out (as a tensor-parallel rank's half of a
         weight holds half of them; at most columns - 1 rows a weight, none at the default model's
@@ -85,6 +88,9 @@ class PackedWeight:
         for block, (a, b) in zip(self.blocks[1:], rest, strict=True):
             y = torch.ops.mkldnn._linear_pointwise.binary(x[:, a:b], y, block, None, "add")  # [tokens, out]
         return y
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.blocks
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.blocks)

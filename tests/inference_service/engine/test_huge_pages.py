@@ -1,0 +1,51 @@
+"""A CPU worker's tensors moved onto 2 MiB pages (inference_service/engine/huge_pages.py), as
+/proc/self/smaps shows them, their values kept."""
+
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference_service.engine.huge_pages import HUGE_PAGE, move_to_huge_pages
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or tuple(map(int, platform.release().split(".")[:2])) < (6, 1),
+    reason="MADV_COLLAPSE needs Linux 6.1",
+)
+
+
+def huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    THP.is_file() and "[always]" in THP.read_text(), reason="THP always: pages may be huge already"
+)
+def test_a_tensors_whole_huge_pages_move_and_keep_their_values():
+    weights = torch.randn(3 * HUGE_PAGE // 4)  # 6 MiB: two whole huge pages inside, wherever it lies
+    before = weights.clone()
+    assert huge_bytes_at(weights.data_ptr()) == 0
+    said = move_to_huge_pages([weights, weights[1:]])  # a view's storage counted once
+    start = weights.data_ptr()
+    inside = ((start + weights.nbytes) // HUGE_PAGE - -(-start // HUGE_PAGE)) * HUGE_PAGE
+    assert said == f"{inside / 2**20:.0f} MiB on 2 MiB pages" and inside >= 2 * HUGE_PAGE
+    assert huge_bytes_at(weights.data_ptr() + weights.nbytes - 1) >= inside
+    assert torch.equal(weights, before)
+
+
+def test_tensors_off_the_cpu_or_too_small_to_hold_a_huge_page_are_left():
+    assert move_to_huge_pages([torch.zeros(1000), torch.zeros(8, device="meta")]) == "0 MiB on 2 MiB pages"
