@@ -18,14 +18,16 @@ Both sides get the same limits: max_num_seqs = batch, 512 tokens a step, max_mod
 prompt + 32 + 16, a KV cache for every request at that length, prefix caching off (every round
 sends the same prompts again). The base arm runs on an engine without LoRA on each side (loramux
 max_loras 0; vLLM without enable_lora: with it, vLLM's CPU backend turns torch.compile off), the
-adapters arm on one with 8 slots of rank 16. For each (dtype, batch, arm) both engines are
-built, a warm-up call of 2 new tokens per prompt length loads the adapters and is dropped, then
-each round times both sides, alternating which goes first, with a pause of SETTLE_S after each
-side (vLLM's worker spins for a second after a call before it sleeps). A side's two calls start
-once other processes leave the machine idle, and are timed again (twice at most) when other
-processes worked meanwhile (time_side; the work and the tries are recorded). Tokens/s
-are medians of the rounds; loramux / vLLM is the median of per-round ratios; adapters / base is the
-ratio of the two arms' medians (they run on different engines, one after the other).
+adapters arm on one with 8 slots of rank 16. For each (dtype, batch) the four engines (two sides,
+two arms) are built together, a warm-up call of 2 new tokens per prompt length on each loads the
+adapters and is dropped, then each round times every side on every arm, the order reversed every
+other round, with a pause of SETTLE_S after each (vLLM's worker spins for a second after a call
+before it sleeps). A side's two calls start once other processes
+leave the machine idle, and are timed again (twice at most) when other processes worked meanwhile
+(time_side; the work and the tries are recorded). Tokens/s are medians of the rounds; loramux /
+vLLM and adapters / base are medians of per-round ratios: this machine's speed drifts by 10% and
+more over minutes, and an arm timed minutes after the other (as they were until 2026-11-29) read
+that drift as the adapters' cost.
 
 vLLM runs as its CPU docs ask: OpenMP threads bound to this process's CPUs
 (VLLM_CPU_OMP_THREADS_BIND), tcmalloc and Intel OpenMP preloaded where found, a KV cache sized to
@@ -38,6 +40,7 @@ with it preloaded: shared/tcmalloc.py).
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -241,20 +244,28 @@ def requests(batch: int, prompt: int, folders: list[Path]) -> tuple[list[list[in
     return prompts, [folders[i % len(folders)] if folders else None for i in range(batch)]
 
 
-def time_cell(sides: dict[str, Runner], batch: int, prompt: int, folders: list[Path], grid: Grid) -> dict:
-    """Each side's rounds (time_side), as lists, and its last outputs."""
-    prompts, adapters = requests(batch, prompt, folders)
-    for run in sides.values():
-        run(prompts, adapters, WARM_UP_TOKENS)
-        time.sleep(SETTLE_S)
-    cell: dict = {name: {key: [] for key in ROUND_KEYS} for name in sides}
+def time_cells(
+    arms: dict[int, dict[str, Runner]], batch: int, prompt: int, folders: list[Path], grid: Grid
+) -> dict[int, dict]:
+    """For each arm (its adapters: 0 or ADAPTERS), each side's rounds (time_side), as lists, and its
+    last outputs. A round times every (arm, side) once, the order reversed every other round, so
+    that both arms' rounds and both sides' meet the machine in the same state."""
+    calls = {arm: requests(batch, prompt, folders[:arm]) for arm in arms}
+    for arm, sides in arms.items():
+        for run in sides.values():
+            run(*calls[arm], WARM_UP_TOKENS)
+            time.sleep(SETTLE_S)
+    cells: dict = {
+        arm: {name: {key: [] for key in ROUND_KEYS} for name in sides} for arm, sides in arms.items()
+    }
+    order = [(arm, name) for arm, sides in arms.items() for name in sides]
     for repeat in range(grid.repeats):
-        for name in list(sides)[:: 1 if repeat % 2 == 0 else -1]:  # who goes first alternates
-            timed = time_side(sides[name], prompts, adapters, grid.tokens)
+        for arm, name in order[:: 1 if repeat % 2 == 0 else -1]:  # who goes first alternates
+            timed = time_side(arms[arm][name], *calls[arm], grid.tokens)
             for key in ROUND_KEYS:
-                cell[name][key].append(timed[key])
-            cell[name]["outputs"] = timed["outputs"]
-    return cell
+                cells[arm][name][key].append(timed[key])
+            cells[arm][name]["outputs"] = timed["outputs"]
+    return cells
 
 
 def time_side(run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> dict:
@@ -352,27 +363,31 @@ def tree_jiffies(processes: dict[int, tuple[int, int]], root: int) -> int:
 def run_engines(
     model_dir: Path, peer: tuple[Path, dict], dtype: str, batch: int, folders: list[Path], grid: Grid
 ) -> list[dict]:
-    """Both sides' engines for one (dtype, batch, arm), vLLM's from `peer` (its venv's python, its
-    environment); every prompt length of the grid on them."""
+    """Both sides' engines for one (dtype, batch) and each arm of the grid, all built at once
+    (vLLM's from `peer`: its venv's python, its environment); every prompt length on them."""
     spec = {
         "model": str(model_dir),
         "dtype": dtype,
         "max_num_seqs": batch,
         "max_model_len": grid.max_len,
         "max_num_batched_tokens": STEP_TOKENS,
-        "max_loras": len(folders),
         "max_lora_rank": RANK,
     }
-    engine = loramux_engine(model_dir, dtype, batch, grid.max_len, folders)
-    try:
-        with Peer(peer[0], spec, peer[1]) as vllm:
-            sides = {"loramux": loramux_runner(engine), "vllm": vllm}
-            cells = [time_cell(sides, batch, prompt, folders, grid) for prompt in grid.prompts]
-            versions = vllm.versions
-    finally:
-        engine.stop()
-    key = {"dtype": dtype, "batch": batch, "adapters": len(folders), "peer": versions}
-    return [key | {"prompt": prompt} | cell for prompt, cell in zip(grid.prompts, cells, strict=True)]
+    arms: dict[int, dict[str, Runner]] = {}
+    with contextlib.ExitStack() as stack:
+        for adapters in (0, ADAPTERS) if grid.adapters else (0,):
+            engine = loramux_engine(model_dir, dtype, batch, grid.max_len, folders[:adapters])
+            stack.callback(engine.stop)
+            vllm = stack.enter_context(Peer(peer[0], spec | {"max_loras": adapters}, peer[1]))
+            arms[adapters] = {"loramux": loramux_runner(engine), "vllm": vllm}
+        cells = [time_cells(arms, batch, prompt, folders, grid) for prompt in grid.prompts]
+        versions = vllm.versions
+    key = {"dtype": dtype, "batch": batch, "peer": versions}
+    return [
+        key | {"prompt": prompt, "adapters": arm} | cell
+        for prompt, by_arm in zip(grid.prompts, cells, strict=True)
+        for arm, cell in by_arm.items()
+    ]
 
 
 def run_grid(
@@ -385,10 +400,10 @@ def run_grid(
     for dtype in grid.dtypes:
         for batch in grid.batches:
             env = peer_env(os.environ, cpus, kv_gib(model, dtype, batch * grid.max_len), preload)
-            for arm in ([], folders) if grid.adapters else ([],):
-                progress(f"{SHORT[dtype]}, batch {batch}, {len(arm) or 'no'} adapters: building both engines")
-                cells += run_engines(model_dir, (python, env), dtype, batch, arm, grid)
-                progress(headline_of(cells[-len(grid.prompts) :], grid))
+            progress(f"{SHORT[dtype]}, batch {batch}: building both sides' engines")
+            new = run_engines(model_dir, (python, env), dtype, batch, folders, grid)
+            progress(headline_of(new, grid))
+            cells += new
     return cells
 
 
@@ -452,9 +467,13 @@ def row(base: dict, mixed: dict | None, tokens: int) -> dict:
     rates = {(arm, s): decode_rates(c[s], c["batch"], tokens) for arm, c in cells.items() for s in SIDES}
     median = {key: statistics.median(values) for key, values in rates.items()}
 
+    def per_round(over: tuple[str, str], under: tuple[str, str], digits: int) -> float:
+        """The median of the rounds' ratios (a round times both arms and both sides)."""
+        pairs = zip(rates[over], rates[under], strict=True)
+        return round(statistics.median(a / b for a, b in pairs), digits)
+
     def ours_over_theirs(arm: str) -> float:
-        pairs = zip(rates[arm, "loramux"], rates[arm, "vllm"], strict=True)
-        return round(statistics.median(ours / theirs for ours, theirs in pairs), 2)
+        return per_round((arm, "loramux"), (arm, "vllm"), 2)
 
     line = {
         "dtype": SHORT[base["dtype"]],
@@ -470,8 +489,8 @@ def row(base: dict, mixed: dict | None, tokens: int) -> dict:
         f"loramux {ADAPTERS} adapters tok/s": round(median["mixed", "loramux"], 1),
         f"vLLM {ADAPTERS} adapters tok/s": round(median["mixed", "vllm"], 1),
         f"{ADAPTERS} adapters loramux / vLLM": ours_over_theirs("mixed"),
-        "loramux adapters / base": round(median["mixed", "loramux"] / median["base", "loramux"], 3),
-        "vLLM adapters / base": round(median["mixed", "vllm"] / median["base", "vllm"], 3),
+        "loramux adapters / base": per_round(("mixed", "loramux"), ("base", "loramux"), 3),
+        "vLLM adapters / base": per_round(("mixed", "vllm"), ("base", "vllm"), 3),
     }
 
 
@@ -507,10 +526,12 @@ def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: 
     peer = cells[0]["peer"]
     libraries = ", ".join(os.path.basename(lib) for lib in preload) or "none"
     arms, engines, ratio = "the base model alone (no adapters arm: --base-only)", "", ""
+    rounds = "each side"
     if grid.adapters:
         arms = f"the base model, or {ADAPTERS} distinct random rank-{RANK} all-linear adapters round-robin"
         engines = f", adapters on one with {ADAPTERS} slots of rank {RANK}"
-        ratio = "; adapters / base: the ratio of medians"
+        ratio = " and adapters / base"
+        rounds = "each side on each arm (the four engines alive together)"
     return (
         f"Default model; `batch` requests at once, prompts of {'/'.join(map(str, grid.prompts))} "
         f"token ids, {grid.tokens} new tokens, greedy, EOS ignored; {arms}. loramux: Engine.generate in "
@@ -520,9 +541,10 @@ def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: 
         f"prefix caching off; base on an engine without LoRA{engines}. Decode tok/s = batch x "
         f"{grid.tokens - 1} / (seconds of the {grid.tokens}-token call - seconds of the 1-token call), "
         f"medians of {grid.repeats} rounds after a dropped "
-        f"warm-up, the sides alternating which goes first, each once other processes leave the machine "
-        f"idle ({contention(cells)}); loramux / vLLM: the median of per-round "
-        f"ratios{ratio}. {checked(agree)} Load average (1 min) "
+        f"warm-up; a round times {rounds}, the order reversed every other round, each once other "
+        f"processes leave the machine idle "
+        f"({contention(cells)}); loramux / vLLM{ratio}: the median of per-round ratios. "
+        f"{checked(agree)} Load average (1 min) "
         f"{load[0]:.2f} as the run began, {load[1]:.2f} as it ended."
     )
 

@@ -1,9 +1,13 @@
 import argparse
+from pathlib import Path
 
 import pytest
 
+from bench import peers
+from bench.hf_peft import Run
 from bench.peers import (
     ADAPTERS,
+    WARM_UP_TOKENS,
     CpuSample,
     Grid,
     cpu_jiffies,
@@ -12,6 +16,7 @@ from bench.peers import (
     others_cpus,
     peer_env,
     summary,
+    time_cells,
     tree_jiffies,
 )
 from bench.report import markdown_table
@@ -68,9 +73,11 @@ def cell(adapters: int, loramux: list[tuple[float, float]], vllm: list[tuple[flo
 
 
 def test_the_table_has_decode_rates_their_ratios_per_round_and_adapters_over_base():
-    # 32 x 31 = 992 decode tokens: 1 s of decode is 992 tok/s
-    base = cell(0, [(2.0, 1.0), (3.0, 1.0), (2.0, 1.0)], [(2.0, 1.0), (2.0, 1.0), (1.5, 1.0)])
-    mixed = cell(ADAPTERS, [(5.0, 1.0)] * 3, [(9.0, 1.0)] * 3)
+    # 32 x 31 = 992 decode tokens: 1 s of decode is 992 tok/s. loramux's rounds meet a machine
+    # fast, slow, then in between: its adapters / base per round is 1/3, 3/4, 2/5, whose median (0.4)
+    # the ratio of the arms' medians (248 / 496 = 0.5) is not.
+    base = cell(0, [(2.0, 1.0), (4.0, 1.0), (3.0, 1.0)], [(2.0, 1.0), (2.0, 1.0), (1.5, 1.0)])
+    mixed = cell(ADAPTERS, [(4.0, 1.0), (5.0, 1.0), (6.0, 1.0)], [(9.0, 1.0)] * 3)
     fp32 = {"0": {"loramux": 4, "vllm": 4}, "8": {"loramux": 4, "vllm": 3}, "ties": {}, "compared": {}}
     bf16 = {
         "0": {"loramux": 4, "vllm": 4},
@@ -83,21 +90,54 @@ def test_the_table_has_decode_rates_their_ratios_per_round_and_adapters_over_bas
     result = summary([base, mixed], agree | {"batch": 32, "prompt": 32}, grid, [], (0.5, 1.25))
     (line,) = result["table"]
     assert (line["dtype"], line["prompt"], line["batch"]) == ("fp32", 32, 32)
-    assert (line["loramux base tok/s"], line["vLLM base tok/s"]) == (992.0, 992.0)
-    assert line["base loramux / vLLM"] == 0.5  # the median of the rounds' ratios 1, 0.5, 0.5
+    assert (line["loramux base tok/s"], line["vLLM base tok/s"]) == (496.0, 992.0)
+    assert line["base loramux / vLLM"] == 0.33  # the median of the rounds' ratios 1, 1/3, 1/4
     assert (line["loramux 8 adapters tok/s"], line["vLLM 8 adapters tok/s"]) == (248.0, 124.0)
-    assert line["8 adapters loramux / vLLM"] == 2.0
-    assert (line["loramux adapters / base"], line["vLLM adapters / base"]) == (0.25, 0.125)
+    assert line["8 adapters loramux / vLLM"] == 2.0  # 8/3, 2, 8/5
+    assert (line["loramux adapters / base"], line["vLLM adapters / base"]) == (0.4, 0.125)
     fp32_text, bf16_text = result["setup"].split("Greedy tokens")[1:3]
     assert "loramux 4 / 4 base" in fp32_text and "vLLM 4 / 4 base, 3 / 4 with adapters" in fp32_text
     assert "first near tie" not in fp32_text
     assert "(requests cut at one: 1 base, 2 with adapters;" in bf16_text
     assert "tokens compared: 100 / 128 base, 70 / 128 with adapters)" in bf16_text
     assert "loramux 4 / 4 base, 3 / 4 with adapters" in bf16_text
-    assert result["rounds"][0]["loramux"]["full_s"] == [2.0, 3.0, 2.0]
+    assert result["rounds"][0]["loramux"]["full_s"] == [2.0, 4.0, 3.0]
     assert "0 of 12 side-rounds timed again" in result["setup"]
     assert "Load average (1 min) 0.50 as the run began, 1.25 as it ended" in result["setup"]
-    assert "| fp32 | 32 | 32 | 992.0 |" in markdown_table(result["table"])
+    assert "| fp32 | 32 | 32 | 496.0 | 992.0 | 0.33 |" in markdown_table(result["table"])
+
+
+def test_a_round_times_every_side_on_every_arm_in_an_order_reversed_every_other_round(monkeypatch):
+    """Both arms' engines are alive together and their rounds interleave: each round meets the
+    machine in the state the other arm's meets it in."""
+    monkeypatch.setattr(peers, "wait_for_quiet", lambda: 0.0)
+    monkeypatch.setattr(peers, "others_cpus", lambda before, after: 0.0)  # no round timed again
+    monkeypatch.setattr(peers, "SETTLE_S", 0.0)
+    calls: list[tuple[str, int, Path | None]] = []
+
+    def runner(name: str):
+        def run(prompts, adapters, tokens):
+            calls.append((name, tokens, adapters[1]))
+            return Run(float(len(calls)), [[tokens]] * len(prompts))
+
+        return run
+
+    folders = [Path(f"r16-{i}") for i in range(ADAPTERS)]
+    arms = {a: {side: runner(f"{side} {a}") for side in ("loramux", "vllm")} for a in (0, ADAPTERS)}
+    cells = time_cells(arms, 2, 32, folders, Grid(("float32",), (32,), (2,), repeats=2))
+    order = ["loramux 0", "vllm 0", "loramux 8", "vllm 8"]
+    assert [name for name, tokens, _ in calls if tokens == WARM_UP_TOKENS] == order
+    timed = [name for name, tokens, _ in calls if tokens == 32]
+    assert timed == order + order[::-1]
+    assert {(name, adapter) for name, _, adapter in calls} == {
+        ("loramux 0", None),
+        ("vllm 0", None),
+        ("loramux 8", folders[1]),
+        ("vllm 8", folders[1]),
+    }
+    # calls 5-6 are base loramux's first round (32 tokens, then 1), 19-20 its second
+    assert (cells[0]["loramux"]["full_s"], cells[0]["loramux"]["prefill_s"]) == ([5.0, 19.0], [6.0, 20.0])
+    assert cells[ADAPTERS]["vllm"]["full_s"] == [11.0, 13.0]
 
 
 def test_base_only_runs_the_base_arm_and_the_record_says_so():
