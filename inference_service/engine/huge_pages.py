@@ -3,9 +3,10 @@ are loaded (Linux 6.1's MADV_COLLAPSE, whatever the system's transparent-huge-pa
 
 A decode step reads every weight once. On 4 KiB pages that is a TLB miss every 4 KiB, and a
 hardware prefetch stream that ends at every page's end; on 2 MiB pages the default model's decode
-steps took 0.94 to 0.96 of the time (bf16 at batch 1, fp32 at batch 8, with adapters and without;
-two engines side by side in one process). Where the kernel cannot move them (before 6.1, not
-Linux) nothing changes but the speed, and the worker's log says why.
+steps took 0.87 to 0.99 of the time (bf16 and fp32 at batches 1 and 8, with adapters and without;
+two engines side by side in one process, the gain moving with the machine's state). Where the
+kernel cannot move them (before 6.1, not Linux) nothing changes but the speed, and the worker's
+log says why.
 """
 
 import ctypes
