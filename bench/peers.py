@@ -22,9 +22,9 @@ adapters arm on one with 8 slots of rank 16. For each (dtype, batch) the four en
 two arms) are built together, a warm-up call of 2 new tokens per prompt length on each loads the
 adapters and is dropped, then each round times every side on every arm, the order reversed every
 other round, with a pause of SETTLE_S after each (vLLM's worker spins for a second after a call
-before it sleeps). A side's two calls start once other processes
-leave the machine idle, and are timed again (twice at most) when other processes worked meanwhile
-(time_side; the work and the tries are recorded). Tokens/s are medians of the rounds; loramux /
+before it sleeps). A side's two calls start once other processes leave the machine idle, and are
+timed again (twice at most) when other processes worked meanwhile (time_side; the work and the
+tries are recorded). Tokens/s are medians of the rounds; loramux /
 vLLM and adapters / base are medians of per-round ratios: this machine's speed drifts by 10% and
 more over minutes, and an arm timed minutes after the other (as they were until 2026-11-29) read
 that drift as the adapters' cost.

@@ -42,9 +42,14 @@ class CompiledKernel:
 
 
 def dtype_functions(library: ctypes.CDLL, prefix: str, pointers: int) -> dict:
-    """dtype -> the library's function `prefix`_<dtype name> for it, which takes `pointers`
-    pointers (its shape's, then its tensors', which may be passed as ints: data_ptr())."""
+    """dtype -> the library's function `prefix`_<dtype name> for it, taking `pointers` pointers."""
     functions = {dtype: getattr(library, f"{prefix}_{suffix}") for dtype, suffix in DTYPE_NAMES.items()}
+    return taking_pointers(functions, pointers)
+
+
+def taking_pointers(functions: dict, pointers: int) -> dict:
+    """`functions`, each declared to take `pointers` pointers (its shape's, then its tensors'), so
+    that tensors pass as ints (data_ptr())."""
     for function in functions.values():
         function.argtypes = (ctypes.c_void_p,) * pointers
     return functions

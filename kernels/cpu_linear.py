@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CompiledKernel
+from kernels.cpu_library import CompiledKernel, taking_pointers
 
 # Inputs an output sums in registers before the sum is added to the output: MKL's sgemm errs about
 # as far at 576 and 1,536 inputs (measured on a 2-core AMD EPYC), smaller blocks err less.
@@ -39,11 +39,10 @@ class CpuLinear(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = {torch.float32: library.linear_float32}
+        functions = {torch.float32: library.linear_float32}
         if hasattr(library, "linear_bfloat16"):  # built where the CPU has AVX512-BF16
-            self._functions[torch.bfloat16] = library.linear_bfloat16
-        for function in self._functions.values():  # the shape's, x's, the panels', the bias', y's
-            function.argtypes = (ctypes.c_void_p,) * 5
+            functions[torch.bfloat16] = library.linear_bfloat16
+        self._functions = taking_pointers(functions, 5)  # the shape's, x's, the panels', the bias', y's
         library.linear_panel_columns.restype = ctypes.c_int64
         self.columns = library.linear_panel_columns()  # the outputs a panel holds
 

@@ -40,11 +40,8 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> str:
 
 def _huge_spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     """[start, end) of the 2 MiB-aligned part of each distinct storage of the strided CPU tensors."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tensors
-        if t.device.type == "cpu" and t.layout == torch.strided
-    }
+    strided = (t.untyped_storage() for t in tensors if t.device.type == "cpu" and t.layout == torch.strided)
+    storages = {storage.data_ptr(): storage.nbytes() for storage in strided}
     spans = (
         (-(-start // HUGE_PAGE) * HUGE_PAGE, (start + size) // HUGE_PAGE * HUGE_PAGE)
         for start, size in storages.items()
