@@ -136,6 +136,13 @@ def test_tables_of_another_dtype_are_refused(kernel):
         kernel(q, k_cache, v_cache, tables.int(), contexts, 0.25, None)
 
 
+def test_queries_off_the_cpu_are_refused(kernel):
+    """The library dereferences q's pointer: one on another device (here "meta", none) is refused."""
+    q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.float32)
+    with pytest.raises(AssertionError):
+        kernel(q.to("meta"), k_cache, v_cache, tables, contexts, 0.25, None)
+
+
 def test_queries_of_another_dtype_are_refused(kernel):
     """The library reads q as the cache's dtype: fp32 queries over a bf16 cache would be misread."""
     q, k_cache, v_cache, tables, contexts = _case([5], 1, 4, torch.bfloat16)

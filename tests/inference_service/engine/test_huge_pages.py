@@ -1,6 +1,7 @@
 """A CPU worker's tensors moved onto 2 MiB pages (inference_service/engine/huge_pages.py), as
 /proc/self/smaps shows them, their values kept."""
 
+import mmap
 import platform
 import sys
 from pathlib import Path
@@ -36,14 +37,18 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     THP.is_file() and "[always]" in THP.read_text(), reason="THP always: pages may be huge already"
 )
 def test_a_tensors_whole_huge_pages_move_and_keep_their_values():
-    weights = torch.randn(3 * HUGE_PAGE // 4)  # 6 MiB: two whole huge pages inside, wherever it lies
-    before = weights.clone()
-    assert huge_bytes_at(weights.data_ptr()) == 0
+    # 6 MiB of fresh memory, on 4 KiB pages: a tensor from torch's allocator may reuse memory an
+    # engine built earlier in this process already moved
+    region = mmap.mmap(-1, 3 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    weights = torch.frombuffer(region, dtype=torch.float32)  # two whole huge pages inside, wherever it lies
+    weights.copy_(torch.randn(weights.numel(), generator=torch.Generator().manual_seed(0)))
+    before, last = weights.clone(), weights.data_ptr() + weights.nbytes - 1
+    huge_before = huge_bytes_at(last)
     said = move_to_huge_pages([weights, weights[1:]])  # a view's storage counted once
     start = weights.data_ptr()
     inside = ((start + weights.nbytes) // HUGE_PAGE - -(-start // HUGE_PAGE)) * HUGE_PAGE
     assert said == f"{inside / 2**20:.0f} MiB on 2 MiB pages" and inside >= 2 * HUGE_PAGE
-    assert huge_bytes_at(weights.data_ptr() + weights.nbytes - 1) >= inside
+    assert huge_bytes_at(last) - huge_before == inside
     assert torch.equal(weights, before)
 
 
