@@ -2,8 +2,8 @@
 all-linear adapters with the compiled kernels that read adapter pages in place
 (kernels/cpu_lora.py) against the same steps with pages gathered for batched matmuls (the path
 without a compiler), and the base model's decode steps on the same engine: the three alternate in
-rounds. Then the seconds to prefill 8 prompts of 512 tokens, one per adapter, on each LoRA path,
-and without adapters.
+rounds. The same for one request (batch 1), with adapter r16-0 and without. Then the seconds to
+prefill 8 prompts of 512 tokens, one per adapter, on each LoRA path, and without adapters.
 
     .venv/bin/python -m bench.cpu_lora [--dtypes float32 bfloat16] [--rounds 4]
 """
@@ -54,6 +54,8 @@ def compare(model_dir: Path, dtype: str, folders: list[Path], rounds: int) -> st
     mixed = [folders[i % ADAPTERS].name for i in range(REQUESTS)]
     arms = {"base": ([None] * REQUESTS, kernels), "kernels": (mixed, kernels), "gathered": (mixed, gathered)}
     step = decode_steps(engine, arms, rounds)
+    one = {"base": ([None], kernels), "kernels": ([mixed[0]], kernels), "gathered": ([mixed[0]], gathered)}
+    solo = decode_steps(engine, one, rounds)
     names = [folder.name for folder in folders]
     prefill_arms = {
         "base": ([None] * ADAPTERS, kernels),
@@ -69,6 +71,8 @@ def compare(model_dir: Path, dtype: str, folders: list[Path], rounds: int) -> st
         f"  {step['base'] / step['kernels']:12.3f}  {step['base'] / step['gathered']:13.3f}"
         f"  {prefill['base']:16.2f}  {prefill['kernels']:9.2f}  {prefill['gathered']:10.2f}"
         f"  {prefill['base'] / prefill['kernels']:12.3f}"
+        f"  {solo['base'] * 1e3:10.2f}  {solo['kernels'] * 1e3:10.2f}  {solo['base'] / solo['kernels']:12.3f}"
+        f"  {solo['base'] / solo['gathered']:13.3f}"
     )
 
 
@@ -83,6 +87,7 @@ def main() -> None:
     print(
         "dtype     base ms  kernels ms  gathered ms  base/kernels  base/gathered"
         "  prefill s: base  kernels  gathered  base/kernels"
+        "  batch 1: base ms  kernels ms  base/kernels  base/gathered"
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = ModelConfig.from_dir(model_dir)

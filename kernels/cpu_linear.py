@@ -26,7 +26,7 @@ from kernels.cpu_library import CompiledKernel, taking_pointers
 SUM_BLOCK = 192
 
 
-class _Linear(ctypes.Structure):  # Linear in the source
+class LinearShape(ctypes.Structure):  # Linear in the source (cpu_panels.h)
     _fields_ = [
         (name, ctypes.c_int64)
         for name in ("rows", "out", "inputs", "x_stride", "y_stride", "panels", "block")
@@ -80,7 +80,7 @@ class CpuLinear(CompiledKernel):
         assert panels.shape == (count, inputs, self.columns) and panels.is_contiguous()
         assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
         y = x.new_empty(tokens, out)  # [tokens, out]
-        shape = _Linear(tokens, out, inputs, x_row, out, count, SUM_BLOCK)
+        shape = LinearShape(tokens, out, inputs, x_row, out, count, SUM_BLOCK)
         pointers = (x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
         self._functions[x.dtype](ctypes.byref(shape), *pointers)
         return y

@@ -5,6 +5,8 @@ The torch path (lora_bmm) gathers each chunk's A and B rows into new tensors wit
 before its two batched matmuls: every adapter byte is read, written and read again, in seven
 targets' worth of small torch calls per layer. At decode, where each adapter has a few tokens,
 that was a third of a mixed-adapter step. These kernels read each page once per tile of tokens.
+`CpuLoraStep.linear` runs a layer's base matmul (kernels/cpu_linear.py's panels) and its adapters
+in one call, where the layer's weight is in those panels.
 The C++ source is compiled once per machine (kernels/cpu_library.py); where it cannot be,
 `CpuLora.load` says why and returns None, and LoRA takes the torch path.
 """
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CompiledKernel, dtype_functions
+from kernels.cpu_library import DTYPE_NAMES, CompiledKernel, dtype_functions, taking_pointers
+from kernels.cpu_linear import SUM_BLOCK, LinearShape
 from kernels.lora_batch import SegmentTable
 from kernels.lora_expand import MAX_SLICES
 
@@ -47,11 +50,21 @@ class CpuLora(CompiledKernel):
             for name in ("shrink", "expand", "shrink_expand")
             for dtype, function in dtype_functions(library, f"lora_{name}", 4).items()
         }
+        linear = {  # the linear kernel's dtypes: bf16 where the CPU has AVX512-BF16
+            dtype: getattr(library, f"lora_linear_{DTYPE_NAMES[dtype]}")
+            for dtype in (torch.float32, torch.bfloat16)
+            if hasattr(library, f"lora_linear_{DTYPE_NAMES[dtype]}")
+        }
+        # the shapes' pointers, then x's, the panels', the bias', the pool's and y's
+        for dtype, function in taking_pointers(linear, 7).items():
+            self._functions["linear", dtype] = function
+        library.lora_panel_columns.restype = ctypes.c_int64
+        self.columns = library.lora_panel_columns()  # the outputs a panel of W holds (CpuLinear's)
 
     def step(self, table: SegmentTable) -> "CpuLoraStep":
         """The kernels on one step's segments (`table`: int32, on the CPU)."""
         assert table.ranks.dtype == table.pages.dtype == torch.int32 and table.pages.is_contiguous()
-        return CpuLoraStep(self._functions, table)
+        return CpuLoraStep(self._functions, self.columns, table)
 
 
 class CpuLoraStep:
@@ -61,8 +74,8 @@ class CpuLoraStep:
     pointers. Checked and built at every call, a decode step's 120 calls took 6 to 7 µs each of
     Python, as long as a batch-1 call's kernel."""
 
-    def __init__(self, functions: dict, table: SegmentTable):
-        self._functions, self.table = functions, table
+    def __init__(self, functions: dict, columns: int, table: SegmentTable):
+        self._functions, self._columns, self.table = functions, columns, table
         self._calls: dict[tuple, Callable[..., None]] = {}
 
     def shrink(
@@ -126,18 +139,72 @@ class CpuLoraStep:
         run(x.data_ptr(), pool.data_ptr(), y.data_ptr())
         return y
 
+    def runs_linear(self, panels: torch.Tensor) -> bool:
+        """Whether `linear` multiplies by these panels (CpuLinear.pack's, of their dtype)."""
+        return ("linear", panels.dtype) in self._functions and panels.shape[2] == self._columns
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        out: int,
+        bias: torch.Tensor | None,
+        pool: torch.Tensor,
+        first_target: int,
+        slice_sizes: tuple[int, ...],
+        unit: int,
+    ) -> torch.Tensor:
+        """shrink_expand(CpuLinear()(x, panels, out, bias), x, pool, ...) in one call, bit for bit:
+        y [tokens, out] = x W^T + b, then each slice's adapter products added (where runs_linear).
+        x [tokens, in] rows contiguous; panels [ceil(out / columns), in, columns], of x's dtype."""
+        tokens, inputs = x.shape
+        key = (
+            "linear", first_target, slice_sizes, inputs, unit, x.stride(), (out, 1), 1, x.dtype,
+            panels.dtype, pool.dtype, None if bias is None else bias.dtype, panels.shape, out, tokens,
+        )  # fmt: skip
+        run = self._calls.get(key) or self._prepare_linear(key, x, panels, out, bias, pool)
+        y = x.new_empty(tokens, out)  # [tokens, out]
+        b = None if bias is None else bias.data_ptr()
+        run(x.data_ptr(), panels.data_ptr(), b, pool.data_ptr(), y.data_ptr())
+        return y
+
+    def _prepare_linear(
+        self,
+        key: tuple,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        out: int,
+        bias: torch.Tensor | None,
+        pool: torch.Tensor,
+    ) -> Callable[..., None]:
+        """linear's call of `key`, once its tensors are checked as CpuLinear's call checks them."""
+        (tokens, inputs), count = x.shape, -(-out // self._columns)
+        assert self.runs_linear(panels) and panels.shape == (count, inputs, self._columns)
+        assert panels.is_contiguous() and panels.dtype == x.dtype
+        assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
+        shape = LinearShape(tokens, out, inputs, x.stride(0), out, count, SUM_BLOCK)
+        lora = self._shape(key, x, pool)
+        run = partial(self._functions["linear", x.dtype], ctypes.byref(shape), ctypes.byref(lora))
+        self._calls[key] = run  # the partial holds the shapes, and their byrefs the structs
+        return run
+
     def _prepare(self, key: tuple, *tensors: torch.Tensor) -> Callable[..., None]:
         """The call of `key` (function, the _Lora fields, x's and y's strides, the tensors'
         dtypes), taking the tensors' pointers, once `tensors` are checked as every call of `key`
-        would be: on the CPU, rows contiguous, of one dtype."""
-        function, first_target, slice_sizes, in_features, unit, x_strides, y_strides, gathered, *_ = key
+        would be."""
+        shape = self._shape(key, *tensors)
+        run = partial(self._functions[key[0], tensors[0].dtype], ctypes.byref(shape))
+        self._calls[key] = run  # the partial holds the shape, and its byref the struct
+        return run
+
+    def _shape(self, key: tuple, *tensors: torch.Tensor) -> _Lora:
+        """The _Lora of `key`'s call, once `tensors` are checked: on the CPU, rows contiguous, of
+        one dtype."""
+        _, first_target, slice_sizes, in_features, unit, x_strides, y_strides, gathered, *_ = key
         assert all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
         assert len({t.dtype for t in tensors}) == 1
         strides = x_strides[0], y_strides[0]
-        shape = _lora(self.table, first_target, slice_sizes, in_features, unit, *strides, gathered)
-        run = partial(self._functions[function, tensors[0].dtype], ctypes.byref(shape))
-        self._calls[key] = run  # the partial holds the shape, and its byref the struct
-        return run
+        return _lora(self.table, first_target, slice_sizes, in_features, unit, *strides, gathered)
 
 
 def _lora(

@@ -10,6 +10,7 @@ from inference_service.model.base_weight import DenseWeight
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.kv_cache import KVCache
+from inference_service.model.lora_linear import LoRALinear
 from inference_service.model.moe import SparseMoe
 from inference_service.model.packed_weight import PackedWeight, PanelWeight, packed
 from inference_service.model.placement import Placement
@@ -219,7 +220,7 @@ class LlamaModel(nn.Module):
         keeps its embedding dense beside the packed copy (vocab x hidden more bytes); an own head is
         let go once packed."""
         for module in self.modules():
-            if isinstance(module, DenseWeight):
+            if isinstance(module, LoRALinear):
                 module.pack(linear)
         self.packed_head = packed(self.lm_head, linear)
         if self.packed_head is not None and not self.cfg.tie_word_embeddings:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inference_service.model.lora_linear import add_lora
+from kernels.cpu_linear import CpuLinear
 from kernels.cpu_lora import CpuLora
 from kernels.lora_batch import RUN_ROWS, LoraBatch
 from kernels.lora_bmm import lora_ref
@@ -92,6 +93,56 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
     if table is not None:  # None: no token uses an adapter (one base-model token), and no call is made
         kernel.step(table).shrink_expand(out, x, pool, first_target, sizes, UNIT)
     _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes)
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [1, 37, 75])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
+    kernel, spread, slices, tokens, bias, dtype
+):
+    """linear() gives, bit for bit, CpuLinear's y = x W^T + b with shrink_expand's products added
+    (whose rounding the test above checks against PEFT's): outputs that are not a whole number of
+    panels (40), a panel that straddles two slices (72, 24, 24), base-model tokens among the
+    adapters' (every third, where there are several), segments longer than a task."""
+    linear, why = CpuLinear.load()
+    assert linear is not None, why
+    first_target, sizes = SLICES[slices]
+    _, pool, _, table = case(spread, slices, 3 if tokens > 1 else 0, dtype, tokens, 40, sizes)
+    generator = torch.Generator().manual_seed(tokens)
+    weight = torch.randn(sum(sizes), 40, generator=generator).to(dtype)
+    b = torch.randn(sum(sizes), generator=generator).to(dtype) if bias else None
+    x = torch.randn(tokens, 40, generator=generator).to(dtype)
+    panels, step = linear.pack(weight), kernel.step(table)
+    if not step.runs_linear(panels):
+        pytest.skip(f"no {dtype} linear kernel on this CPU")
+    apart = step.shrink_expand(linear(x, panels, sum(sizes), b), x, pool, first_target, sizes, UNIT)
+    together = step.linear(x, panels, sum(sizes), b, pool, first_target, sizes, UNIT)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert together.shape == apart.shape and torch.equal(together.view(bits), apart.view(bits))
+
+
+def test_a_steps_layer_calls_are_shaped_by_their_rows_and_bias(kernel):
+    """A layer call's shape is built once a step, as shrink_expand's are: a later call of the
+    step with more rows (base-model tokens after the adapters') or with a bias is shaped for its
+    own, and still equals the linear then shrink_expand bit for bit; a bias of another dtype is
+    refused, though calls of every other part of its shape ran before."""
+    linear, why = CpuLinear.load()
+    assert linear is not None, why
+    first_target, sizes = SLICES[3]
+    _, pool, _, table = case("uniform", 3, 0, torch.float32, 8, 40, sizes)
+    step, generator = kernel.step(table), torch.Generator().manual_seed(7)
+    panels = linear.pack(torch.randn(sum(sizes), 40, generator=generator))
+    bias = torch.randn(sum(sizes), generator=generator)
+    for rows, b in ((8, None), (11, None), (11, bias), (8, bias)):
+        x = torch.randn(rows, 40, generator=generator)
+        apart = step.shrink_expand(linear(x, panels, sum(sizes), b), x, pool, first_target, sizes, UNIT)
+        together = step.linear(x, panels, sum(sizes), b, pool, first_target, sizes, UNIT)
+        assert torch.equal(together.view(torch.int32), apart.view(torch.int32)), (rows, b is not None)
+    with pytest.raises(AssertionError):
+        step.linear(x, panels, sum(sizes), bias.double(), pool, first_target, sizes, UNIT)
 
 
 def _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes):

@@ -148,11 +148,12 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, path, tiny_
         assert not any(calls.values()), calls
 
 
-# Where each compiled CPU kernel is called (the LoRA kernels through the step's CpuLoraStep).
+# Where each compiled CPU kernel is called (the LoRA kernels through the step's CpuLoraStep: with
+# the base matmul, on the dense layers' panels).
 ENTRY_POINTS = {
     "decode_attention": (CpuDecodeAttention, "__call__"),
     "prefill_attention": (CpuPrefillAttention, "__call__"),
-    "lora": (CpuLoraStep, "shrink_expand"),
+    "lora": (CpuLoraStep, "linear"),
     "rope": (CpuRope, "__call__"),
     "rms_norm": (CpuRmsNorm, "__call__"),
     "swiglu": (CpuSwiglu, "__call__"),
