@@ -160,7 +160,8 @@ class CpuLoraStep:
         tokens, inputs = x.shape
         key = (
             "linear", first_target, slice_sizes, inputs, unit, x.stride(), (out, 1), 1, x.dtype,
-            panels.dtype, pool.dtype, None if bias is None else bias.dtype, panels.shape, out, tokens,
+            panels.dtype, pool.dtype, None if bias is None else bias.dtype, panels.shape, panels.stride(),
+            out, tokens,
         )  # fmt: skip
         run = self._calls.get(key) or self._prepare_linear(key, x, panels, out, bias, pool)
         y = x.new_empty(tokens, out)  # [tokens, out]

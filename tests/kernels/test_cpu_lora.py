@@ -127,8 +127,9 @@ def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
 def test_a_steps_layer_calls_are_shaped_by_their_rows_and_bias(kernel):
     """A layer call's shape is built once a step, as shrink_expand's are: a later call of the
     step with more rows (base-model tokens after the adapters') or with a bias is shaped for its
-    own, and still equals the linear then shrink_expand bit for bit; a bias of another dtype is
-    refused, though calls of every other part of its shape ran before."""
+    own, and still equals the linear then shrink_expand bit for bit; a bias of another dtype, and
+    panels not laid out one after another, are refused, though calls of every other part of their
+    shape ran before."""
     linear, why = CpuLinear.load()
     assert linear is not None, why
     first_target, sizes = SLICES[3]
@@ -143,6 +144,9 @@ def test_a_steps_layer_calls_are_shaped_by_their_rows_and_bias(kernel):
         assert torch.equal(together.view(torch.int32), apart.view(torch.int32)), (rows, b is not None)
     with pytest.raises(AssertionError):
         step.linear(x, panels, sum(sizes), bias.double(), pool, first_target, sizes, UNIT)
+    with pytest.raises(AssertionError):  # panels of the same shape, not laid out one after another
+        strided = panels.transpose(1, 2).contiguous().transpose(1, 2)
+        step.linear(x, strided, sum(sizes), bias, pool, first_target, sizes, UNIT)
 
 
 def _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes):
