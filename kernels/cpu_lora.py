@@ -61,6 +61,10 @@ class CpuLora(CompiledKernel):
         library.lora_panel_columns.restype = ctypes.c_int64
         self.columns = library.lora_panel_columns()  # the outputs a panel of W holds (CpuLinear's)
 
+    def runs_linear(self, panels: torch.Tensor) -> bool:
+        """Whether CpuLoraStep.linear multiplies by these panels (CpuLinear.pack's)."""
+        return _runs_linear(self._functions, self.columns, panels)
+
     def step(self, table: SegmentTable) -> "CpuLoraStep":
         """The kernels on one step's segments (`table`: int32, on the CPU)."""
         assert table.ranks.dtype == table.pages.dtype == torch.int32 and table.pages.is_contiguous()
@@ -139,10 +143,6 @@ class CpuLoraStep:
         run(x.data_ptr(), pool.data_ptr(), y.data_ptr())
         return y
 
-    def runs_linear(self, panels: torch.Tensor) -> bool:
-        """Whether `linear` multiplies by these panels (CpuLinear.pack's, of their dtype)."""
-        return ("linear", panels.dtype) in self._functions and panels.shape[2] == self._columns
-
     def linear(
         self,
         x: torch.Tensor,
@@ -155,7 +155,8 @@ class CpuLoraStep:
         unit: int,
     ) -> torch.Tensor:
         """shrink_expand(CpuLinear()(x, panels, out, bias), x, pool, ...) in one call, bit for bit:
-        y [tokens, out] = x W^T + b, then each slice's adapter products added (where runs_linear).
+        y [tokens, out] = x W^T + b, then each slice's adapter products added (where
+        CpuLora.runs_linear).
         x [tokens, in] rows contiguous; panels [ceil(out / columns), in, columns], of x's dtype."""
         tokens, inputs = x.shape
         key = (
@@ -180,7 +181,8 @@ class CpuLoraStep:
     ) -> Callable[..., None]:
         """linear's call of `key`, once its tensors are checked as CpuLinear's call checks them."""
         (tokens, inputs), count = x.shape, -(-out // self._columns)
-        assert self.runs_linear(panels) and panels.shape == (count, inputs, self._columns)
+        assert _runs_linear(self._functions, self._columns, panels)
+        assert panels.shape == (count, inputs, self._columns)
         assert panels.is_contiguous() and panels.dtype == x.dtype
         assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
         shape = LinearShape(tokens, out, inputs, x.stride(0), out, count, SUM_BLOCK)
@@ -206,6 +208,12 @@ class CpuLoraStep:
         assert len({t.dtype for t in tensors}) == 1
         strides = x_strides[0], y_strides[0]
         return _lora(self.table, first_target, slice_sizes, in_features, unit, *strides, gathered)
+
+
+def _runs_linear(functions: dict, columns: int, panels: torch.Tensor) -> bool:
+    """Whether the library's lora_linear takes panels of this dtype and width (bf16 only where the
+    CPU has AVX512-BF16, as CpuLinear's)."""
+    return ("linear", panels.dtype) in functions and panels.shape[2] == columns
 
 
 def _lora(

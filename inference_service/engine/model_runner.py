@@ -76,7 +76,7 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.linear_weight_bytes = weight_bytes(self.model) + expert_weight_bytes(self.model)
         self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" else CpuKernels()
-        self.model.pack(self.cpu_kernels.linear)
+        self.model.pack(self.cpu_kernels.linear, self.cpu_kernels.lora)
         self._adapters: dict[int, AdapterPages] = {}  # where each resident adapter's pages lie
         self._vocab: dict[int, VocabPages] = {}  # and its vocabulary-side parts, if it has any
         self.num_blocks = self._kv_blocks()  # blocks sequences may hold

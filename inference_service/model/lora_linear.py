@@ -10,6 +10,7 @@ from inference_service.model.base_weight import DenseWeight, base_weight
 from inference_service.model.collectives import Collectives
 from inference_service.model.packed_weight import PanelWeight
 from kernels.cpu_linear import CpuLinear
+from kernels.cpu_lora import CpuLora
 from kernels.lora_batch import PAGE_RANK, LoraBatch
 from kernels.lora_bmm import lora_bmm
 from kernels.lora_expand import lora_expand_triton
@@ -99,22 +100,23 @@ class LoRALinear(nn.Module):
         self.slice_sizes = slice_sizes
         self.slices = _slice_offsets(slice_sizes)  # (offset, size) of each slice in `out`
         self.pool, self.unit, self.first_target = memory  # the pool is the model's: not a buffer here
-        self.panels: PanelWeight | None = None  # the base weight where pack() laid it out for CpuLinear
+        self.panels: PanelWeight | None = None  # the base weight, where the LoRA kernels multiply by it
 
-    def pack(self, linear: CpuLinear | None) -> None:
+    def pack(self, linear: CpuLinear | None, lora: CpuLora | None = None) -> None:
         """Once loaded, on a CPU: a dense base weight laid out for its matmuls (DenseWeight.pack).
-        Where that is `linear`'s panels and the adapters are not split across ranks, the step's
-        compiled LoRA kernels run the base matmul and the adapters in one call (forward)."""
+        Where that is `linear`'s panels, `lora` runs them, and the adapters are not split across
+        ranks, a step's compiled LoRA kernels run the base matmul and the adapters in one call."""
         if isinstance(self.base, DenseWeight):
             self.base.pack(linear)
             packed = self.base.packed
-            self.panels = packed if isinstance(packed, PanelWeight) and self.split is None else None
+            ours = isinstance(packed, PanelWeight) and lora is not None and lora.runs_linear(packed.panels)
+            self.panels = packed if ours and self.split is None else None
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         if lora is None:
             return self.base(x, self.bias)  # [tokens, out]
         step, panels = lora.cpu_lora, self.panels
-        if panels is not None and step is not None and step.runs_linear(panels.panels):
+        if panels is not None and step is not None:
             x = x if x.stride(1) == 1 else x.contiguous()
             args = self.pool, self.first_target, self.slice_sizes, self.unit
             return step.linear(x, panels.panels, panels.out, self.bias, *args)  # [tokens, out]

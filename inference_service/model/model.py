@@ -19,6 +19,7 @@ from inference_service.model.shard import Shard
 from inference_service.model.vocab_adapters import VocabParts, add_embedding_terms, add_head_terms
 from inference_service.model.vocab_batch import VocabBatch
 from kernels.cpu_linear import CpuLinear
+from kernels.cpu_lora import CpuLora
 from kernels.cpu_rms_norm import CpuRmsNorm
 from shared.model_config import ModelConfig
 
@@ -214,14 +215,15 @@ class LlamaModel(nn.Module):
         )
         self.packed_head: PanelWeight | PackedWeight | None = None  # lm_head for the CPU, once pack() ran
 
-    def pack(self, linear: CpuLinear | None) -> None:
+    def pack(self, linear: CpuLinear | None, lora: CpuLora | None = None) -> None:
         """Once the weights are loaded, on a CPU: every dense linear weight and lm_head laid out for
-        its matmuls (packed_weight.packed: for `linear` where it was built and runs). A tied head
-        keeps its embedding dense beside the packed copy (vocab x hidden more bytes); an own head is
-        let go once packed."""
+        its matmuls (packed_weight.packed: for `linear` where it was built and runs), the `lora`
+        kernels to run a layer's adapters with its matmul where they can (LoRALinear.pack). A tied
+        head keeps its embedding dense beside the packed copy (vocab x hidden more bytes); an own
+        head is let go once packed."""
         for module in self.modules():
             if isinstance(module, LoRALinear):
-                module.pack(linear)
+                module.pack(linear, lora)
         self.packed_head = packed(self.lm_head, linear)
         if self.packed_head is not None and not self.cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
