@@ -73,14 +73,21 @@ class CpuLinear(CompiledKernel):
         in] and bias [out] or None, all of W's dtype. fp32 sums each output's products SUM_BLOCK
         inputs at a time and adds each block's sum to the bias and the blocks before it; bf16 sums
         them all in fp32, adds the bias and rounds once."""
-        tokens, inputs = x.shape
-        x_row, step = x.stride()
-        count = -(-out // self.columns)
-        assert step == 1 and x.is_cpu and x.dtype == panels.dtype and x.dtype in self._functions
-        assert panels.shape == (count, inputs, self.columns) and panels.is_contiguous()
-        assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
-        y = x.new_empty(tokens, out)  # [tokens, out]
-        shape = LinearShape(tokens, out, inputs, x_row, out, count, SUM_BLOCK)
+        assert x.stride(1) == 1 and x.is_cpu and x.dtype in self._functions
+        shape = linear_shape(x, panels, out, bias, self.columns)
+        y = x.new_empty(x.shape[0], out)  # [tokens, out]
         pointers = (x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
         self._functions[x.dtype](ctypes.byref(shape), *pointers)
         return y
+
+
+def linear_shape(
+    x: torch.Tensor, panels: torch.Tensor, out: int, bias: torch.Tensor | None, columns: int
+) -> LinearShape:
+    """The kernel's shape of y [tokens, out] = x W^T + b, once panels (pack()'s, of panels of
+    `columns` outputs) and the bias are checked as the kernel reads them: of x's dtype, laid out
+    one after another."""
+    (tokens, inputs), count = x.shape, -(-out // columns)
+    assert panels.shape == (count, inputs, columns) and panels.is_contiguous() and panels.dtype == x.dtype
+    assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
+    return LinearShape(tokens, out, inputs, x.stride(0), out, count, SUM_BLOCK)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_library import DTYPE_NAMES, CompiledKernel, dtype_functions, taking_pointers
-from kernels.cpu_linear import SUM_BLOCK, LinearShape
+from kernels.cpu_linear import linear_shape
 from kernels.lora_batch import SegmentTable
 from kernels.lora_expand import MAX_SLICES
 
@@ -45,30 +45,28 @@ class CpuLora(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = {
+        self.functions = {  # by (name, dtype)
             (name, dtype): function
             for name in ("shrink", "expand", "shrink_expand")
             for dtype, function in dtype_functions(library, f"lora_{name}", 4).items()
         }
-        linear = {  # the linear kernel's dtypes: bf16 where the CPU has AVX512-BF16
-            dtype: getattr(library, f"lora_linear_{DTYPE_NAMES[dtype]}")
-            for dtype in (torch.float32, torch.bfloat16)
-            if hasattr(library, f"lora_linear_{DTYPE_NAMES[dtype]}")
-        }
-        # the shapes' pointers, then x's, the panels', the bias', the pool's and y's
+        names = {dtype: f"lora_linear_{DTYPE_NAMES[dtype]}" for dtype in (torch.float32, torch.bfloat16)}
+        linear = {dtype: getattr(library, name) for dtype, name in names.items() if hasattr(library, name)}
+        # (bf16 where the CPU has AVX512-BF16) the shapes' pointers, then x's, the panels', the
+        # bias', the pool's and y's
         for dtype, function in taking_pointers(linear, 7).items():
-            self._functions["linear", dtype] = function
+            self.functions["linear", dtype] = function
         library.lora_panel_columns.restype = ctypes.c_int64
         self.columns = library.lora_panel_columns()  # the outputs a panel of W holds (CpuLinear's)
 
     def runs_linear(self, panels: torch.Tensor) -> bool:
         """Whether CpuLoraStep.linear multiplies by these panels (CpuLinear.pack's)."""
-        return _runs_linear(self._functions, self.columns, panels)
+        return ("linear", panels.dtype) in self.functions and panels.shape[2] == self.columns
 
     def step(self, table: SegmentTable) -> "CpuLoraStep":
         """The kernels on one step's segments (`table`: int32, on the CPU)."""
         assert table.ranks.dtype == table.pages.dtype == torch.int32 and table.pages.is_contiguous()
-        return CpuLoraStep(self._functions, self.columns, table)
+        return CpuLoraStep(self, table)
 
 
 class CpuLoraStep:
@@ -78,8 +76,8 @@ class CpuLoraStep:
     pointers. Checked and built at every call, a decode step's 120 calls took 6 to 7 µs each of
     Python, as long as a batch-1 call's kernel."""
 
-    def __init__(self, functions: dict, columns: int, table: SegmentTable):
-        self._functions, self._columns, self.table = functions, columns, table
+    def __init__(self, kernel: CpuLora, table: SegmentTable):
+        self._kernel, self.table = kernel, table
         self._calls: dict[tuple, Callable[..., None]] = {}
 
     def shrink(
@@ -162,7 +160,7 @@ class CpuLoraStep:
         key = (
             "linear", first_target, slice_sizes, inputs, unit, x.stride(), (out, 1), 1, x.dtype,
             panels.dtype, pool.dtype, None if bias is None else bias.dtype, panels.shape, panels.stride(),
-            out, tokens,
+            tokens,
         )  # fmt: skip
         run = self._calls.get(key) or self._prepare_linear(key, x, panels, out, bias, pool)
         y = x.new_empty(tokens, out)  # [tokens, out]
@@ -180,14 +178,10 @@ class CpuLoraStep:
         pool: torch.Tensor,
     ) -> Callable[..., None]:
         """linear's call of `key`, once its tensors are checked as CpuLinear's call checks them."""
-        (tokens, inputs), count = x.shape, -(-out // self._columns)
-        assert _runs_linear(self._functions, self._columns, panels)
-        assert panels.shape == (count, inputs, self._columns)
-        assert panels.is_contiguous() and panels.dtype == x.dtype
-        assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
-        shape = LinearShape(tokens, out, inputs, x.stride(0), out, count, SUM_BLOCK)
+        assert self._kernel.runs_linear(panels)
+        shape = linear_shape(x, panels, out, bias, self._kernel.columns)
         lora = self._shape(key, x, pool)
-        run = partial(self._functions["linear", x.dtype], ctypes.byref(shape), ctypes.byref(lora))
+        run = partial(self._kernel.functions["linear", x.dtype], ctypes.byref(shape), ctypes.byref(lora))
         self._calls[key] = run  # the partial holds the shapes, and their byrefs the structs
         return run
 
@@ -196,7 +190,7 @@ class CpuLoraStep:
         dtypes), taking the tensors' pointers, once `tensors` are checked as every call of `key`
         would be."""
         shape = self._shape(key, *tensors)
-        run = partial(self._functions[key[0], tensors[0].dtype], ctypes.byref(shape))
+        run = partial(self._kernel.functions[key[0], tensors[0].dtype], ctypes.byref(shape))
         self._calls[key] = run  # the partial holds the shape, and its byref the struct
         return run
 
@@ -208,12 +202,6 @@ class CpuLoraStep:
         assert len({t.dtype for t in tensors}) == 1
         strides = x_strides[0], y_strides[0]
         return _lora(self.table, first_target, slice_sizes, in_features, unit, *strides, gathered)
-
-
-def _runs_linear(functions: dict, columns: int, panels: torch.Tensor) -> bool:
-    """Whether the library's lora_linear takes panels of this dtype and width (bf16 only where the
-    CPU has AVX512-BF16, as CpuLinear's)."""
-    return ("linear", panels.dtype) in functions and panels.shape[2] == columns
 
 
 def _lora(
