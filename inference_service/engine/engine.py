@@ -191,14 +191,14 @@ class Engine:
                 self._finish(seq, "abort")
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
-        """Run the requests to completion in this thread; outputs in request order."""
+        """Run the requests to completion, stepping as the engine thread would (EngineThread.drive);
+        outputs in request order."""
         if self._thread.started:
             raise RuntimeError("generate() drives steps itself; use stream() while the engine thread runs")
         deltas: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
         for r in requests:
             self.submit(r, deltas[r.request_id].append)
-        while any(not d or d[-1].finish_reason is None for d in deltas.values()):
-            self.step()
+        self._thread.drive(lambda: all(d and d[-1].finish_reason is not None for d in deltas.values()))
         return [RequestOutput.collect(deltas[r.request_id]) for r in requests]
 
     async def stream(self, request: Request) -> AsyncIterator[Delta]:

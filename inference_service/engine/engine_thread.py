@@ -1,6 +1,6 @@
 """EngineThread: runs an engine's steps in a background thread, and gives up on the engine when
 a step raises, or runs past its time limit (a hung device, a deadlock), so that the process can
-exit for its supervisor to restart it."""
+exit for its supervisor to restart it. Before it starts, it steps for Engine.generate (drive)."""
 
 import logging
 import threading
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from inference_service.torch_threads import parallel
+from inference_service.torch_threads import in_passing_thread, parallel
 from shared.errors import Unavailable, brief
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class EngineThread:
         self._step_timeout_s = step_timeout_s
         # by default the builder's: steps run as they would there
         self._torch_threads = torch_threads or torch.get_num_threads()
+        self._shares_cpus = torch_threads is not None  # steps of its own thread count, wherever they run
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_started: float | None = None  # monotonic time the step in progress began
@@ -50,6 +51,25 @@ class EngineThread:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def drive(self, done: Callable[[], bool]) -> None:
+        """Steps until done(), this thread not started. Given a thread count of its own (a rank
+        sharing the CPUs with others), it steps over that many in a thread that ends with the
+        call, as its own thread would: over all of them, beside the other ranks' threads, each
+        collective waits on threads that spin where the CPUs are taken. The caller's own thread
+        count stays as it was."""
+        if self._shares_cpus:
+            in_passing_thread(self._steps_over, done)
+        else:
+            self._steps(done)
+
+    def _steps_over(self, done: Callable[[], bool]) -> None:
+        parallel(self._torch_threads)
+        self._steps(done)
+
+    def _steps(self, done: Callable[[], bool]) -> None:
+        while not done():
+            self._step()
 
     def on_fatal(self, callback: Callable[[Unavailable], None]) -> None:
         """`callback(error)` runs once if the engine dies (at once if it already has); callbacks

@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
+from inference_service.torch_threads import per_rank
 from shared.errors import Unavailable
 from tests.inference_service.engine.test_adapter_versions import PROMPTS, _alone, _run_until_running
 from tests.inference_service.engine.test_engine import _engine, _run_staggered, peft_reference  # noqa: F401
@@ -144,6 +146,22 @@ def test_ranks_wait_for_the_next_step_however_long_the_engine_sits_idle(tiny_mod
     finally:
         engine.stop()
     assert deltas[-1].finish_reason == "length"
+
+
+def test_generate_steps_over_rank_zeros_share_of_the_cpus_and_leaves_the_callers_threads(tiny_models):
+    """generate() steps rank 0 over its share of the CPUs, as its engine thread would: over all
+    of them, beside the other ranks' threads, every collective waits on threads that spin where
+    the CPUs are taken. The calling thread's own thread count is left as it was."""
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=2))
+    threads = []
+    engine.runner.model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        out = engine.generate([Request([5, 6], None, SamplingParams(max_tokens=3, ignore_eos=True))])
+    finally:
+        engine.stop()
+    assert len(out[0].token_ids) == 3 and len(threads) >= 3
+    assert set(threads) == {per_rank(2)} and torch.get_num_threads() == before
 
 
 def test_a_rank_that_dies_as_it_starts_fails_the_engines_start_naming_it(tiny_models):
