@@ -14,6 +14,8 @@ Method. Each side runs the batch twice per round: with 32 new tokens, and with 1
 its first token alone), so that, the same way on both sides whatever each does inside a call
 (chunked prefill, steps that mix prefill and decode),
     decode tok/s = batch x (32 - 1) / (seconds of the 32-token call - seconds of the 1-token call).
+Where the two calls take under ROUND_S (3 s), as at batch 1, the side makes them again in turn
+until they have, and its round keeps the median seconds of each.
 Both sides get the same limits: max_num_seqs = batch, 512 tokens a step, max_model_len the longest
 prompt + 32 + 16, a KV cache for every request at that length, prefix caching off (every round
 sends the same prompts again). The base arm runs on an engine without LoRA on each side (loramux
@@ -81,7 +83,10 @@ SETTLE_S = 2.0
 # at every barrier for the thread it holds up).
 QUIET_CPUS, QUIET_WAIT_S = 0.25, 900.0
 TRIES = 3  # timings of a side's round, taken while other work ran, are taken again at most twice
-ROUND_KEYS = ("full_s", "prefill_s", "others_cpus", "tries", "quiet_wait_s")
+# A side's round makes its two calls again until they took this long in all, and keeps the medians:
+# at batch 1 they take 0.6 s, and one call's seconds moved by 20% from round to round.
+ROUND_S = 3.0
+ROUND_KEYS = ("full_s", "prefill_s", "calls", "others_cpus", "tries", "quiet_wait_s")
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 SIDES = ("loramux", "vllm")
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -269,27 +274,36 @@ def time_cells(
 
 
 def time_side(run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> dict:
-    """One side's round: the seconds of the call with `tokens` new tokens and of the one with 1,
-    started once the machine is quiet, and done again (TRIES in all at most) while other processes
-    took QUIET_CPUS or more meanwhile."""
+    """One side's round: the median seconds of the call with `tokens` new tokens and of the one
+    with 1, made in turn until they took ROUND_S, started once the machine is quiet, and done
+    again (TRIES in all at most) while other processes took QUIET_CPUS or more meanwhile."""
     tries = 0
     while True:
         tries += 1
         waited = wait_for_quiet()
         before = CpuSample.now()
-        full, prefill = run(prompts, adapters, tokens), run(prompts, adapters, 1)
+        calls = pairs_of_calls(run, prompts, adapters, tokens)
         others = others_cpus(before, CpuSample.now())
         time.sleep(SETTLE_S)
         if others < QUIET_CPUS or tries == TRIES:
             break
     return {
-        "full_s": full.seconds,
-        "prefill_s": prefill.seconds,
+        "full_s": statistics.median(full.seconds for full, _ in calls),
+        "prefill_s": statistics.median(prefill.seconds for _, prefill in calls),
+        "calls": len(calls),
         "others_cpus": round(others, 3),
         "tries": tries,
         "quiet_wait_s": waited,
-        "outputs": full.outputs,
+        "outputs": calls[-1][0].outputs,
     }
+
+
+def pairs_of_calls(run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> list:
+    """(the call with `tokens` new tokens, the one with 1), made in turn until they took ROUND_S."""
+    calls = [(run(prompts, adapters, tokens), run(prompts, adapters, 1))]
+    while sum(full.seconds + prefill.seconds for full, prefill in calls) < ROUND_S:
+        calls.append((run(prompts, adapters, tokens), run(prompts, adapters, 1)))
+    return calls
 
 
 @dataclass(frozen=True)
@@ -541,7 +555,8 @@ def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: 
         f"prefix caching off; base on an engine without LoRA{engines}. Decode tok/s = batch x "
         f"{grid.tokens - 1} / (seconds of the {grid.tokens}-token call - seconds of the 1-token call), "
         f"medians of {grid.repeats} rounds after a dropped "
-        f"warm-up; a round times {rounds}, the order reversed every other round, each once other "
+        f"warm-up; a round times {rounds} (its two calls made again until they took {ROUND_S:g} s, "
+        f"medians kept), the order reversed every other round, each once other "
         f"processes leave the machine idle "
         f"({contention(cells)}); loramux / vLLM{ratio}: the median of per-round ratios. "
         f"{checked(agree)} Load average (1 min) "

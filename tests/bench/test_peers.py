@@ -17,6 +17,7 @@ from bench.peers import (
     peer_env,
     summary,
     time_cells,
+    time_side,
     tree_jiffies,
 )
 from bench.report import markdown_table
@@ -64,6 +65,7 @@ def cell(adapters: int, loramux: list[tuple[float, float]], vllm: list[tuple[flo
         quiet = {
             "others_cpus": [0.125] * len(rounds),
             "tries": [1] * len(rounds),
+            "calls": [1] * len(rounds),
             "quiet_wait_s": [1.0] * len(rounds),
         }
         return {"full_s": full, "prefill_s": prefill, "outputs": [[1]]} | quiet
@@ -138,6 +140,25 @@ def test_a_round_times_every_side_on_every_arm_in_an_order_reversed_every_other_
     # calls 5-6 are base loramux's first round (32 tokens, then 1), 19-20 its second
     assert (cells[0]["loramux"]["full_s"], cells[0]["loramux"]["prefill_s"]) == ([5.0, 19.0], [6.0, 20.0])
     assert cells[ADAPTERS]["vllm"]["full_s"] == [11.0, 13.0]
+
+
+def test_a_sides_calls_are_made_again_until_they_took_round_s_and_their_medians_kept(monkeypatch):
+    """At batch 1 a side's two calls take well under a second, and one call's seconds moved by a
+    fifth from round to round: its round makes them again until they took ROUND_S in all."""
+    monkeypatch.setattr(peers, "wait_for_quiet", lambda: 0.0)
+    monkeypatch.setattr(peers, "others_cpus", lambda before, after: 0.0)
+    monkeypatch.setattr(peers, "SETTLE_S", 0.0)
+    seconds = iter([0.9, 0.1, 0.5, 0.2, 0.7, 0.1, 0.6, 0.3, 5.0, 5.0])  # (32 tokens, 1) in turn
+    asked = []
+
+    def run(prompts, adapters, tokens):
+        asked.append(tokens)
+        return Run(next(seconds), [[tokens]])
+
+    timed = time_side(run, [[1, 2]], [None], 32)
+    assert asked == [32, 1] * 4  # 1.0, 1.7, 2.5, then 3.4 s: past ROUND_S (3 s)
+    assert timed["calls"] == 4 and timed["outputs"] == [[32]]
+    assert (timed["full_s"], timed["prefill_s"]) == (pytest.approx(0.65), pytest.approx(0.15))
 
 
 def test_base_only_runs_the_base_arm_and_the_record_says_so():
