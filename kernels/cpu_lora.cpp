@@ -203,6 +203,25 @@ inline void pack_pairs(const float* buf, int64_t lanes, uint32_t* pairs) {
         }
     }
 }
+
+// ys[t] (its first n_tok) += the tile's products (pair_sums), 32 columns at a time of `size`;
+// returns the first column left for the widening loop.
+inline int64_t add_pair_sums(const uint16_t* const* b_rows, int64_t lanes, const float* buf, uint32_t* pairs,
+                             int64_t size, int64_t n_tok, uint16_t* const* ys) {
+    pack_pairs(buf, lanes, pairs);
+    int64_t c = 0;
+    for (; c + 2 * kVec <= size; c += 2 * kVec) {
+        Vec sums[kTile][2];
+        pair_sums(b_rows, lanes, pairs, c, sums);
+        for (int t = 0; t < kTile; ++t) {  // bounded by kTile, as expand_task's stores are
+            if (t < n_tok) {
+                store(ys[t] + c, load(ys[t] + c) + rounded<uint16_t>(sums[t][0]));
+                store(ys[t] + c + kVec, load(ys[t] + c + kVec) + rounded<uint16_t>(sums[t][1]));
+            }
+        }
+    }
+    return c;
+}
 #endif
 
 // y's slice columns of the task's tokens += their shrinks in(i) [gathered * lanes] times B.
@@ -216,7 +235,7 @@ void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T
         for (int64_t j = 0; j < p.rank; ++j) b_rows[held * p.rank + j] = p.b_row(held, j, size);
     }
     std::vector<float> buf(kTile * lanes);  // the tile's shrinks, rounded to the pool's dtype
-    std::vector<uint32_t> pairs(kTile * ((lanes + 1) / 2));  // bf16: buf in pairs (pair_sums)
+    std::vector<uint32_t> pairs(std::is_same_v<T, uint16_t> ? kTile * ((lanes + 1) / 2) : 0);  // buf's bf16 pairs
     for (int64_t i0 = task.first; i0 < task.last; i0 += kTile) {
         const int64_t n_tok = std::min<int64_t>(kTile, task.last - i0);
         T* ys[kTile];
@@ -230,17 +249,7 @@ void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T
         int64_t c = 0;
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<T, uint16_t>) {
-            pack_pairs(buf.data(), lanes, pairs.data());
-            for (; c + 2 * kVec <= size; c += 2 * kVec) {
-                Vec sums[kTile][2];
-                pair_sums(b_rows.data(), lanes, pairs.data(), c, sums);
-                for (int t = 0; t < kTile; ++t) {
-                    if (t < n_tok) {
-                        store(ys[t] + c, load(ys[t] + c) + rounded<T>(sums[t][0]));
-                        store(ys[t] + c + kVec, load(ys[t] + c + kVec) + rounded<T>(sums[t][1]));
-                    }
-                }
-            }
+            c = add_pair_sums(b_rows.data(), lanes, buf.data(), pairs.data(), size, n_tok, ys);
         }
 #endif
         for (; c + kVec <= size; c += kVec) {
