@@ -231,15 +231,6 @@ void values_of(Sequence<T> seq, const Weights& probs, float* out) {
     });
 }
 
-// Whether T's keys are multiplied in bf16 pairs.
-#ifdef __AVX512BF16__
-template <typename T>
-constexpr bool kPairs = std::is_same_v<T, uint16_t>;
-#else
-template <typename T>
-constexpr bool kPairs = false;
-#endif
-
 // q: [decodes, heads, head_dim] at a stride of s->q_stride between decodes, in the cache's dtype,
 // the query heads of kv head h being [h * group, (h + 1) * group); out: [decodes, heads,
 // head_dim] in that dtype, each sum rounded to it once.

@@ -59,7 +59,7 @@ void dot_tile(const T* const* xs, const T* const* as, int64_t n, bool ahead, flo
     Vec acc[kTile][kTile] = {};
     int64_t k = 0;
 #ifdef __AVX512BF16__
-    if constexpr (std::is_same_v<T, uint16_t>) k = dot_pairs(xs, as, n, ahead, acc);
+    if constexpr (kPairs<T>) k = dot_pairs(xs, as, n, ahead, acc);
 #endif
     for (; k + kVec <= n; k += kVec) {
         Vec xv[kTile], av[kTile];
@@ -235,7 +235,7 @@ void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T
         for (int64_t j = 0; j < p.rank; ++j) b_rows[held * p.rank + j] = p.b_row(held, j, size);
     }
     std::vector<float> buf(kTile * lanes);  // the tile's shrinks, rounded to the pool's dtype
-    std::vector<uint32_t> pairs(std::is_same_v<T, uint16_t> ? kTile * ((lanes + 1) / 2) : 0);  // buf's bf16 pairs
+    std::vector<uint32_t> pairs(kPairs<T> ? kTile * ((lanes + 1) / 2) : 0);  // buf's bf16 pairs
     for (int64_t i0 = task.first; i0 < task.last; i0 += kTile) {
         const int64_t n_tok = std::min<int64_t>(kTile, task.last - i0);
         T* ys[kTile];
@@ -248,7 +248,7 @@ void expand_task(const Lora& a, const Task& task, In in_of, const Pages<T>& p, T
         }
         int64_t c = 0;
 #ifdef __AVX512BF16__
-        if constexpr (std::is_same_v<T, uint16_t>) {
+        if constexpr (kPairs<T>) {
             c = add_pair_sums(b_rows.data(), lanes, buf.data(), pairs.data(), size, n_tok, ys);
         }
 #endif

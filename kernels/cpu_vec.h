@@ -170,6 +170,15 @@ inline float lane_max(Vec v) {  // halves compared pairwise, as lane_sum adds th
     return std::max(std::max(v4[0], v4[2]), std::max(v4[1], v4[3]));
 }
 
+// Whether the kernels multiply T's elements in bf16 pairs (vdpbf16ps: exact products, fp32 sums).
+#ifdef __AVX512BF16__
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, uint16_t>;
+#else
+template <typename T>
+constexpr bool kPairs = false;
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x, to about an ulp: 2^round(x) times a degree-7 Taylor polynomial of 2^f, |f| <= 1/2. Below

@@ -149,9 +149,9 @@ def test_ranks_wait_for_the_next_step_however_long_the_engine_sits_idle(tiny_mod
 
 
 def test_generate_steps_over_rank_zeros_share_of_the_cpus_and_leaves_the_callers_threads(tiny_models):
-    """generate() steps rank 0 over its share of the CPUs, as its engine thread would: over all
-    of them, beside the other ranks' threads, every collective waits on threads that spin where
-    the CPUs are taken. The calling thread's own thread count is left as it was."""
+    """generate() steps rank 0 over its share of the CPUs, as its engine thread would (over all
+    of them, beside the other ranks' threads, every collective waited on spinning threads), and
+    leaves the calling thread's own thread count as it was."""
     engine = Engine(EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=2))
     threads = []
     engine.runner.model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
