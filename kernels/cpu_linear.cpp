@@ -7,7 +7,10 @@ namespace {
 template <typename Kind, typename T = typename Kind::T>
 void linear(const Linear* s, const T* x, const T* w, const T* bias, T* y) {
 #pragma omp parallel for schedule(static) if (s->rows * s->out * s->inputs > 1 << 18)
-    for (int64_t p = 0; p < s->panels; ++p) panel<Kind>(*s, x, w, bias, y, p);
+    for (int64_t p = 0; p < s->panels; ++p) {
+        NoLines none;
+        panel<Kind>(*s, x, w, bias, y, p, none);
+    }
 }
 
 }  // namespace

@@ -295,6 +295,12 @@ void expand(const Lora& a, float* partials, const T* pool, T* y) {
     });
 }
 
+// The bytes of a task's page: kPageRank rows of A, then their B^T rows (of every rank gathered).
+template <typename T>
+int64_t page_bytes(const Lora& a, const Task& task) {
+    return kPageRank * (a.in_features + a.gathered * a.sizes[task.slice]) * sizeof(T);
+}
+
 // Asks for every line of a task's pages (into L2) before reading any: at decode they come from
 // memory, a few tens of KB a task, and asked for at once more of them are on their way together
 // than the rows' own prefetches bring (a decode step's LoRA calls, batches 1 and 8 in bf16: 0.89 to
@@ -302,54 +308,109 @@ void expand(const Lora& a, float* partials, const T* pool, T* y) {
 template <typename T>
 void ask_for_pages(const Lora& a, const Task& task, const Pages<T>& p) {
     if (task.first != 0) return;
-    const int64_t bytes = kPageRank * (a.in_features + a.gathered * a.sizes[task.slice]) * sizeof(T);
+    const int64_t bytes = page_bytes<T>(a, task);
     for (int64_t j = 0; j < p.rank; j += kPageRank) {
         const char* page = reinterpret_cast<const char*>(p.page(j));
         for (int64_t k = 0; k < bytes; k += 64) ask_for_line(page + k);
     }
 }
 
-// Both in one pass, a task's shrinks kept for its own expand (no tensor-parallel exchange between).
+// A task's shrinks, kept for its own expand (where no tensor-parallel exchange comes between).
+template <typename T>
+void shrink_expand_task(const Lora& a, const Task& task, const T* x, const Pages<T>& p, T* y) {
+    std::vector<float> shrunk(kTaskTokens * a.lanes);
+    auto row = [&](int64_t i) { return shrunk.data() + (i - task.first) * a.lanes; };
+    shrink_task(a, task, x, p, row);
+    expand_task(a, task, row, p, y);
+}
+
 template <typename T>
 void shrink_expand(const Lora& a, const T* x, const T* pool, T* y) {
     each_task(a, [&](const Task& task) {
         const Pages<T> p(a, pool, task);
         ask_for_pages(a, task, p);
-        std::vector<float> shrunk(kTaskTokens * a.lanes);
-        auto row = [&](int64_t i) { return shrunk.data() + (i - task.first) * a.lanes; };
-        shrink_task(a, task, x, p, row);
-        expand_task(a, task, row, p, y);
+        shrink_expand_task(a, task, x, p, y);
     });
 }
 
+// Every page of a call's tasks (ask_for_pages's), as one run of bytes: where each page starts, and
+// the bytes up to its end.
+template <typename T>
+struct PageRun {
+    std::vector<const char*> starts;
+    std::vector<int64_t> ends;
+
+    PageRun(const Lora& a, const T* pool, const std::vector<Task>& tasks) {
+        int64_t total = 0;
+        for (const Task& task : tasks) {
+            const Pages<T> p(a, pool, task);
+            for (int64_t j = 0; task.first == 0 && j < p.rank; j += kPageRank) {
+                starts.push_back(reinterpret_cast<const char*>(p.page(j)));
+                ends.push_back(total += page_bytes<T>(a, task));
+            }
+        }
+    }
+
+    int64_t bytes() const { return ends.empty() ? 0 : ends.back(); }
+
+    // The address of `byte` of the run, in page r or a later one (r moves on to it).
+    const char* at(size_t& r, int64_t byte) const {
+        while (byte >= ends[r]) ++r;
+        return starts[r] + byte - (r == 0 ? 0 : ends[r - 1]);
+    }
+};
+
+// A panel's share of the run, [from, to), asked for a line at a time as the panel's weights stream:
+// one or more lines every so many of its steps (cpu_panels.h's Lines), the rest once it is done.
+template <typename T>
+struct PageLines {
+    const PageRun<T>& run;
+    int64_t from, to, every, lines_per_ask, count = 0;
+    size_t page = 0;
+
+    PageLines(const PageRun<T>& pages, int64_t first, int64_t last, int64_t steps)
+        : run(pages), from(first), to(std::min(last, pages.bytes())) {
+        const int64_t lines = std::max<int64_t>(1, (to - from + 63) / 64);
+        every = std::max<int64_t>(1, steps / lines);
+        lines_per_ask = (lines + steps - 1) / steps;
+    }
+
+    void step() {
+        if (++count < every) return;
+        count = 0;
+        for (int64_t i = 0; i < lines_per_ask && from < to; ++i, from += 64) ask_for_line(run.at(page, from));
+    }
+
+    void finish() {
+        for (; from < to; from += 64) ask_for_line(run.at(page, from));
+    }
+};
+
 // y = x W^T + b (the panels of cpu_panels.h), then y += the adapters' products, as linear's call
-// and shrink_expand's would give, in one parallel region: each thread takes shrink tasks first and
-// goes on to its panels as soon as none is left (so one thread's adapter pages come in while the
-// other streams the weights), and the expands wait for every panel. At decode batch 1, where a
-// call's pages are a few tens of KB, the calls apart paid each call's fixed cost (Python, the
-// threads' wake-up) and its reads from memory with nothing else under way: decode steps with an
-// adapter kept 0.91 (fp32) and 0.88 (bf16) of the base model's speed, and keep 0.95 and 0.92 to
-// 0.95 in one call (one engine, alternating). At 32 requests and at prefill it changes nothing.
+// and shrink_expand's would give, in one parallel region. Each panel asks for its share of the
+// adapters' pages as its weights stream, so that they come in while the weights are multiplied;
+// then each task (of any thread) shrinks its tokens and adds their expands, once every panel is
+// in y. At 32 requests over 8 adapters, where a step's matmuls are no longer bound by memory, the
+// pages asked for first (each thread's shrinks before its panels) came in with nothing else to do:
+// decode steps with adapters kept 0.880 (bf16) and 0.882 (fp32) of the base model's speed, and
+// keep 0.914 and 0.902 (one engine, alternating, 8 rounds). At 8 and 128 requests, bound by memory
+// and by the matmuls, it changes nothing.
 template <typename Kind, typename T = typename Kind::T>
 void lora_linear(const Linear& s, const Lora& a, const T* x, const T* w, const T* bias, const T* pool, T* y) {
     const std::vector<Task> tasks = tasks_of(a);
     const int64_t n = static_cast<int64_t>(tasks.size());
-    std::vector<float> shrunk(n * kTaskTokens * a.lanes);  // task i's tokens' rows from i * kTaskTokens
-    auto rows_of = [&](int64_t i) {
-        return [&, i](int64_t token) { return shrunk.data() + (i * kTaskTokens + token - tasks[i].first) * a.lanes; };
-    };
+    const PageRun<T> pages(a, pool, tasks);
+    const int64_t share = (pages.bytes() + s.panels - 1) / s.panels;  // of each panel
 #pragma omp parallel
     {
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t i = 0; i < n; ++i) {
-            const Pages<T> p(a, pool, tasks[i]);
-            ask_for_pages(a, tasks[i], p);
-            shrink_task(a, tasks[i], x, p, rows_of(i));
-        }
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(s, x, w, bias, y, p);
+        for (int64_t p = 0; p < s.panels; ++p) {
+            PageLines<T> lines(pages, p * share, (p + 1) * share, panel_steps<Kind>(s));
+            panel<Kind>(s, x, w, bias, y, p, lines);
+            lines.finish();
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) expand_task(a, tasks[i], rows_of(i), Pages<T>(a, pool, tasks[i]), y);
+        for (int64_t i = 0; i < n; ++i) shrink_expand_task(a, tasks[i], x, Pages<T>(a, pool, tasks[i]), y);
     }
 }
 

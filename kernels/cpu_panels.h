@@ -32,6 +32,12 @@ constexpr int kLanes = 8, kPanelVecs = 2, kRows = 6;  // AVX2: 12 of 16
 #endif
 constexpr int64_t kCols = kPanelVecs * kLanes;  // a panel's outputs, a multiple of kVec
 
+// Other bytes a call asks for as its weights stream (Lines::step, once per step of inputs of every
+// tile): the layer alone asks for none.
+struct NoLines {
+    void step() {}
+};
+
 // A thread's panels lie one after another, so its weights are one stream. The tiles of the first
 // kAskRows rows (every tile, at decode batch sizes) ask for the weights kAhead bytes on as they
 // read theirs, so that they come in while the tile multiplies, not once it misses them. At 8 and
@@ -96,9 +102,10 @@ void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], T* y, in
 
 // R rows of x times one panel, over every input: each block's products are summed in registers
 // and the sum added to the tile's totals (in L1), which are stored once.
-// x: the rows' first inputs; w: the panel; ask: whether to ask for the weights kAhead bytes on.
-template <typename Kind, int R, typename T = typename Kind::T>
-void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int64_t cols, bool ask) {
+// x: the rows' first inputs; w: the panel; ask: whether to ask for the weights kAhead bytes on;
+// lines: the call's other bytes, stepped once per step of inputs.
+template <typename Kind, int R, typename Lines, typename T = typename Kind::T>
+void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int64_t cols, bool ask, Lines& lines) {
     constexpr int64_t step_bytes = Kind::kStep * kCols * sizeof(T);  // the weights of one step
     const int64_t block = Kind::block(s);
     Lanes total[R][kPanelVecs];
@@ -112,6 +119,7 @@ void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int
                 const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
                 for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
             }
+            lines.step();
             for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, wk);
         }
         for (int r = 0; r < R; ++r) {
@@ -121,10 +129,16 @@ void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int
     store_totals<R>(s, total, y, cols);
 }
 
+// How many times panel() steps its Lines: once per step of inputs of each tile.
+template <typename Kind>
+int64_t panel_steps(const Linear& s) {
+    return (s.rows + kRows - 1) / kRows * ((s.inputs + Kind::kStep - 1) / Kind::kStep);
+}
+
 // Panel p times every row of x: its totals started from its biases, then a tile of kRows rows
 // at a time, the last rows in one smaller tile.
-template <typename Kind, typename T = typename Kind::T>
-void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t p) {
+template <typename Kind, typename Lines, typename T = typename Kind::T>
+void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t p, Lines& lines) {
     const int64_t cols = std::min(kCols, s.out - p * kCols);
     w += p * s.inputs * kCols;
     y += p * kCols;
@@ -132,19 +146,19 @@ void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t
     start_totals(bias == nullptr ? nullptr : bias + p * kCols, cols, start);
     int64_t m = 0;
     for (; m + kRows <= s.rows; m += kRows) {
-        tile<Kind, kRows>(s, x + m * s.x_stride, w, start, y + m * s.y_stride, cols, m < kAskRows);
+        tile<Kind, kRows>(s, x + m * s.x_stride, w, start, y + m * s.y_stride, cols, m < kAskRows, lines);
     }
     x += m * s.x_stride;
     y += m * s.y_stride;
     const bool ask = m < kAskRows;
     switch (s.rows - m) {
         case 0: break;
-        case 1: tile<Kind, 1>(s, x, w, start, y, cols, ask); break;
-        case 2: tile<Kind, 2>(s, x, w, start, y, cols, ask); break;
-        case 3: tile<Kind, 3>(s, x, w, start, y, cols, ask); break;
-        case 4: tile<Kind, 4>(s, x, w, start, y, cols, ask); break;
-        case 5: tile<Kind, 5>(s, x, w, start, y, cols, ask); break;
-        case 6: tile<Kind, 6>(s, x, w, start, y, cols, ask); break;
-        default: tile<Kind, 7>(s, x, w, start, y, cols, ask); break;
+        case 1: tile<Kind, 1>(s, x, w, start, y, cols, ask, lines); break;
+        case 2: tile<Kind, 2>(s, x, w, start, y, cols, ask, lines); break;
+        case 3: tile<Kind, 3>(s, x, w, start, y, cols, ask, lines); break;
+        case 4: tile<Kind, 4>(s, x, w, start, y, cols, ask, lines); break;
+        case 5: tile<Kind, 5>(s, x, w, start, y, cols, ask, lines); break;
+        case 6: tile<Kind, 6>(s, x, w, start, y, cols, ask, lines); break;
+        default: tile<Kind, 7>(s, x, w, start, y, cols, ask, lines); break;
     }
 }
