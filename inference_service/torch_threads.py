@@ -48,6 +48,20 @@ def per_rank(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
+def crowding(ranks: int) -> str | None:
+    """Why `ranks` tensor-parallel processes would be slow on this machine's CPUs, or None. Past
+    one rank a CPU, each collective waits for the OS to run the ranks it waits on: 3 ranks on 2
+    CPUs waited about 3 ms a collective, some 60 of them a step of the default model."""
+    cpus = os.cpu_count() or 1
+    if ranks <= cpus:
+        return None
+    return (
+        f"tensor_parallel_size {ranks} on {cpus} CPUs: the ranks share CPUs, and each of a step's "
+        f"collectives waits for the OS to run the ranks it waits on (3 ranks on 2 CPUs: about 3 ms "
+        f"a collective); at most {cpus} ranks keep a CPU each"
+    )
+
+
 def in_passing_thread(fn: Callable[..., T], *args) -> T:
     """fn(*args) in a thread that ends before this returns: the team its parallel ops got ends
     with it, rather than living on in the calling thread beside the stepping thread's."""

@@ -7,6 +7,9 @@ calls (a command: a forward, an adapter to place in given pages or to drop, KV b
 their forwards exchanging with rank 0's inside every layer. No weights cross: a rank reads
 an adapter's blob from the digest-named file rank 0 points it to and takes its own part.
 
+On the CPU the ranks share its cores (torch_threads.per_rank); more ranks than cores start with a
+warning (torch_threads.crowding).
+
 Faults: a rank that cannot start fails the engine's start with that rank's error. One that dies
 fails rank 0's next collective at once (the group's sockets close), one that hangs fails it at
 the step timeout (the engine's watchdog); either way the engine dies and the worker exits. Ranks
@@ -14,6 +17,7 @@ never outlive rank 0: each holds a pipe from it and exits at its end of file.
 """
 
 import json
+import logging
 import os
 import select
 import signal
@@ -32,7 +36,10 @@ from inference_service.engine.config import EngineConfig
 from inference_service.model.collectives import Collectives
 from inference_service.model.forward_batch import SequenceInput
 from inference_service.model.shard import Shard
+from inference_service.torch_threads import crowding
 from shared.errors import Unavailable
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a rank building a large model on a slow disk
 
@@ -52,6 +59,8 @@ class RankGroup:
 
     def __init__(self, config: EngineConfig):
         size, port = config.tensor_parallel_size, _free_port()
+        if config.device == "cpu" and (why := crowding(size)):
+            log.warning("%s", why)
         self._processes = [_spawn(config, rank, port) for rank in range(1, size)]
         self._closer = weakref.finalize(self, _end, self._processes)  # an engine never stopped
         shard = Shard(0, size, config.fully_sharded_loras)

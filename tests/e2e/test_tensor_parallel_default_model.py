@@ -2,8 +2,10 @@
 ranks, fetching adapters from a real store: under a KV cache too small for its requests
 (preemption), memory for one adapter on the device and one in host memory (evictions), a prompt
 repeated (the prefix cache) and an adapter re-registered between requests, every request's greedy
-tokens equal those of the in-process engine on one device."""
+tokens equal those of the in-process engine on one device. On fewer than 3 CPUs its log says the
+ranks crowd them."""
 
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,6 +85,7 @@ def test_three_ranks_give_the_default_models_tokens_through_pressure_and_a_re_re
     assert repeated == (got[0], 16)  # the first block of 16 prompt tokens from the cache
     assert stats.num_preemptions > 0 and stats.slot_evictions > 0 and stats.host_evictions > 0
     assert [r.rank for r in stats.ranks] == [0, 1, 2]
+    assert ("tensor_parallel_size 3 on" in worker.log.read_text()) == ((os.cpu_count() or 1) < 3)
 
 
 def _serve(worker, admin, sources, prompts):

@@ -16,7 +16,7 @@ import torch
 
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
-from inference_service.torch_threads import per_rank
+from inference_service.torch_threads import crowding, per_rank
 from shared.errors import Unavailable
 from tests.inference_service.engine.test_adapter_versions import PROMPTS, _alone, _run_until_running
 from tests.inference_service.engine.test_engine import _engine, _run_staggered, peft_reference  # noqa: F401
@@ -162,6 +162,17 @@ def test_generate_steps_over_rank_zeros_share_of_the_cpus_and_leaves_the_callers
         engine.stop()
     assert len(out[0].token_ids) == 3 and len(threads) >= 3
     assert set(threads) == {per_rank(2)} and torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cpus", "crowded"), [(2, 2, False), (3, 2, True), (4, 16, False), (8, 4, True)]
+)
+def test_more_ranks_than_cpus_are_named_as_crowding_them(ranks, cpus, crowded, monkeypatch):
+    """RankGroup logs it as a warning on the CPU (the three-rank worker test reads it there)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    why = crowding(ranks)
+    assert (why is not None) == crowded
+    assert not crowded or f"tensor_parallel_size {ranks} on {cpus} CPUs" in why
 
 
 def test_a_rank_that_dies_as_it_starts_fails_the_engines_start_naming_it(tiny_models):
