@@ -4,8 +4,10 @@ all-linear adapters with the compiled kernels that read adapter pages in place
 without a compiler), and the base model's decode steps on the same engine: the three alternate in
 rounds. The same for one request (batch 1), with adapter r16-0 and without. Then the seconds to
 prefill 8 prompts of 512 tokens, one per adapter, on each LoRA path, and without adapters.
+`--model larger` takes bench.random_model's larger Llama (hidden 1536 against 576), where the
+same adapters are a smaller share of each layer's work.
 
-    .venv/bin/python -m bench.cpu_lora [--dtypes float32 bfloat16] [--rounds 4]
+    .venv/bin/python -m bench.cpu_lora [--dtypes float32 bfloat16] [--rounds 4] [--model larger]
 """
 
 import argparse
@@ -19,6 +21,7 @@ from bench.engine_overhead import REQUESTS
 from bench.peers import loramux_engine
 from bench.profile_decode import alternate, decode_step_seconds, timed_prefill
 from bench.random_adapter import write_random_adapter
+from bench.random_model import larger_llama
 from inference_service.engine import Engine
 from kernels.cpu_kernels import CpuKernels
 from shared.model_config import ModelConfig
@@ -82,8 +85,11 @@ def main() -> None:
     )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--model", choices=["default", "larger"], default="default")
     args = parser.parse_args()
     model_dir = default_model_dir()
+    if args.model == "larger":
+        model_dir = larger_llama(model_dir.parent)
     print(
         "dtype     base ms  kernels ms  gathered ms  base/kernels  base/gathered"
         "  prefill s: base  kernels  gathered  base/kernels"
