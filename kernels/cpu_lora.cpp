@@ -386,21 +386,18 @@ struct PageLines {
     }
 };
 
-// y = x W^T + b (the panels of cpu_panels.h), then y += the adapters' products, as linear's call
-// and shrink_expand's would give, in one parallel region. Each panel asks for its share of the
-// adapters' pages as its weights stream, so that they come in while the weights are multiplied;
-// then each task (of any thread) asks for its pages again, as shrink_expand's do, shrinks its
-// tokens and adds their expands, once every panel is in y. At 32 requests over 8 adapters, where
-// a step's matmuls are no longer bound by memory, the pages asked for first (each thread's shrinks
-// before its panels) came in with nothing else to do: decode steps with adapters kept 0.880 (bf16)
-// and 0.882 (fp32) of the base model's speed, and keep 0.914 and 0.902 (one engine, alternating,
-// 8 rounds). At 8 and 128 requests, bound by memory and by the matmuls, it changes nothing. A
-// prefill's panels take long enough for the pages to leave the cache: without the tasks' asks,
-// 512-token prefills in fp32 kept 0.931 of base against 0.965 with the shrinks first (3 runs),
-// and keep 0.916 against 0.921 with them (2 runs; each run's figures move by a few hundredths).
+// lora_linear at decode, where each segment's tokens are one task: each panel asks for its share
+// of the adapters' pages as its weights stream, so that they come in while the weights are
+// multiplied; then each task (of any thread) asks for its pages again, as shrink_expand's do,
+// shrinks its tokens and adds their expands, once every panel is in y. At 32 requests over 8
+// adapters, where a step's matmuls are no longer bound by memory, the pages asked for first (each
+// thread's shrinks before its panels, as prefill_linear's) came in with nothing else to do: decode
+// steps with adapters kept 0.880 (bf16) and 0.882 (fp32) of the base model's speed, and keep
+// 0.914 and 0.902 (one engine, alternating, 8 rounds). At 8 and 128 requests, bound by memory and
+// by the matmuls, it changes nothing.
 template <typename Kind, typename T = typename Kind::T>
-void lora_linear(const Linear& s, const Lora& a, const T* x, const T* w, const T* bias, const T* pool, T* y) {
-    const std::vector<Task> tasks = tasks_of(a);
+void decode_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const T* w,
+                   const T* bias, const T* pool, T* y) {
     const int64_t n = static_cast<int64_t>(tasks.size());
     const PageRun<T> pages(a, pool, tasks);
     const int64_t share = (pages.bytes() + s.panels - 1) / s.panels;  // of each panel
@@ -418,6 +415,48 @@ void lora_linear(const Linear& s, const Lora& a, const T* x, const T* w, const T
             ask_for_pages(a, tasks[i], p);
             shrink_expand_task(a, tasks[i], x, p, y);
         }
+    }
+}
+
+// lora_linear where a segment is cut into several tasks (a prefill chunk): each thread takes the
+// shrinks first, while x is in cache, and goes on to its panels as soon as none is left; the
+// expands follow the last panel. In decode_linear's order 512-token prefills in fp32 kept less of
+// the base model's speed than in this one in each of 6 runs side by side (0.899 to 0.946 against
+// 0.903 to 1.005).
+template <typename Kind, typename T = typename Kind::T>
+void prefill_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const T* w,
+                    const T* bias, const T* pool, T* y) {
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    std::vector<float> shrunk(n * kTaskTokens * a.lanes);  // task i's tokens' rows from i * kTaskTokens
+    auto rows_of = [&](int64_t i) {
+        return [&, i](int64_t token) { return shrunk.data() + (i * kTaskTokens + token - tasks[i].first) * a.lanes; };
+    };
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t i = 0; i < n; ++i) {
+            const Pages<T> p(a, pool, tasks[i]);
+            ask_for_pages(a, tasks[i], p);
+            shrink_task(a, tasks[i], x, p, rows_of(i));
+        }
+        NoLines none;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(s, x, w, bias, y, p, none);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) expand_task(a, tasks[i], rows_of(i), Pages<T>(a, pool, tasks[i]), y);
+    }
+}
+
+// y = x W^T + b (the panels of cpu_panels.h), then y += the adapters' products, as linear's call
+// and shrink_expand's would give, in one parallel region: decode_linear's order where every
+// segment is one task, prefill_linear's otherwise.
+template <typename Kind, typename T = typename Kind::T>
+void lora_linear(const Linear& s, const Lora& a, const T* x, const T* w, const T* bias, const T* pool, T* y) {
+    const std::vector<Task> tasks = tasks_of(a);
+    if (std::all_of(tasks.begin(), tasks.end(), [](const Task& task) { return task.first == 0; })) {
+        decode_linear<Kind>(s, a, tasks, x, w, bias, pool, y);
+    } else {
+        prefill_linear<Kind>(s, a, tasks, x, w, bias, pool, y);
     }
 }
 
