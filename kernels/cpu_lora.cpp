@@ -449,7 +449,10 @@ void prefill_linear(const Linear& s, const Lora& a, const std::vector<Task>& tas
 
 // y = x W^T + b (the panels of cpu_panels.h), then y += the adapters' products, as linear's call
 // and shrink_expand's would give, in one parallel region: decode_linear's order where every
-// segment is one task, prefill_linear's otherwise.
+// segment is one task, prefill_linear's otherwise. Apart, at decode batch 1, each call paid its
+// fixed cost (Python, the threads' wake-up) and its pages' reads with nothing else under way:
+// decode steps with an adapter kept 0.91 (fp32) and 0.88 (bf16) of the base model's speed, and
+// 0.95 and 0.92 to 0.95 in one call (one engine, alternating).
 template <typename Kind, typename T = typename Kind::T>
 void lora_linear(const Linear& s, const Lora& a, const T* x, const T* w, const T* bias, const T* pool, T* y) {
     const std::vector<Task> tasks = tasks_of(a);
