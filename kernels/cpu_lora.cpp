@@ -333,8 +333,8 @@ void shrink_expand(const Lora& a, const T* x, const T* pool, T* y) {
     });
 }
 
-// Every page of a call's tasks (ask_for_pages's), as one run of bytes: where each page starts, and
-// the bytes up to its end.
+// Every page of a decode call's tasks (each its segment's only one), as one run of bytes: where
+// each page starts, and the bytes up to its end.
 template <typename T>
 struct PageRun {
     std::vector<const char*> starts;
@@ -344,7 +344,7 @@ struct PageRun {
         int64_t total = 0;
         for (const Task& task : tasks) {
             const Pages<T> p(a, pool, task);
-            for (int64_t j = 0; task.first == 0 && j < p.rank; j += kPageRank) {
+            for (int64_t j = 0; j < p.rank; j += kPageRank) {
                 starts.push_back(reinterpret_cast<const char*>(p.page(j)));
                 ends.push_back(total += page_bytes<T>(a, task));
             }
