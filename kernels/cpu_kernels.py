@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.cpu_decode_attention import CpuDecodeAttention
+from kernels.cpu_library import NATIVE
 from kernels.cpu_linear import CpuLinear
 from kernels.cpu_lora import CpuLora
 from kernels.cpu_prefill_attention import CpuPrefillAttention
@@ -29,11 +30,12 @@ class CpuKernels:
     linear: CpuLinear | None = None
 
     @classmethod
-    def load(cls, directory: Path | None = None) -> "tuple[CpuKernels, str]":
-        """The kernels, and how each was had (built where, or why not and what runs instead)."""
+    def load(cls, directory: Path | None = None, target: str = NATIVE) -> "tuple[CpuKernels, str]":
+        """The kernels built for `target` (-march), and how each was had (built where, or why not
+        and what runs instead)."""
         kernels, said = {}, []
         for name, (kind, instead) in _TORCH_PATHS.items():
-            kernels[name], how = kind.load(directory)
+            kernels[name], how = kind.load(directory, target)
             said.append(f"{name}: {how if kernels[name] else f'{instead} ({how})'}")
         return cls(**kernels), "; ".join(said)
 

@@ -2,10 +2,14 @@
 with ctypes.
 
 Each source is a few hundred lines (about a second to build). The library is keyed by a hash of
-the source and the headers beside it, the flags and the CPU's model and flags, and written
-atomically under a per-user folder of the system's temporary one, so processes that start at
-once share one build. Where there is no compiler, the folder cannot be written or the library
-cannot be loaded, the caller is told why and keeps its torch path.
+the source and the headers beside it, the flags (the target among them) and the CPU's model and
+flags, and written atomically under a per-user folder of the system's temporary one, so processes
+that start at once share one build. Where there is no compiler, the folder cannot be written or
+the library cannot be loaded, the caller is told why and keeps its torch path.
+
+Workers build for the CPU they run on (`-march=native`). Tests also build for a baseline target
+(BASELINE: AVX2 and FMA, no AVX-512) where this CPU runs it, so that the paths an AVX2-only CPU
+takes are checked on an AVX-512 machine too.
 """
 
 import ctypes
@@ -20,7 +24,9 @@ from typing import Self
 
 import torch
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+NATIVE = "native"  # the -march of a worker's build: this CPU
+BASELINE = "x86-64-v3"  # AVX2, FMA, F16C: the kernels' fallback paths, without AVX-512
 
 
 # the suffix each source's exported functions take for a dtype
@@ -34,10 +40,10 @@ class CompiledKernel:
     SOURCE: Path
 
     @classmethod
-    def load(cls, directory: Path | None = None) -> "tuple[Self | None, str]":
-        """The kernel, built into `directory` (load_cpu_library's default: a per-user folder)
-        unless this machine's build is there; (None, why) where it cannot be."""
-        library, why = load_cpu_library(cls.SOURCE, directory)
+    def load(cls, directory: Path | None = None, target: str = NATIVE) -> "tuple[Self | None, str]":
+        """The kernel, built for `target` (-march) into `directory` (load_cpu_library's default: a
+        per-user folder) unless this machine's build is there; (None, why) where it cannot be."""
+        library, why = load_cpu_library(cls.SOURCE, directory, target)
         return (cls(library) if library else None), why
 
 
@@ -55,16 +61,20 @@ def taking_pointers(functions: dict, pointers: int) -> dict:
     return functions
 
 
-def load_cpu_library(source: Path, directory: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
-    """The library built from `source` into `directory` (default: a per-user folder under the
-    system's temporary one) unless this machine's build is there; (None, why) where it cannot be."""
+def load_cpu_library(
+    source: Path, directory: Path | None = None, target: str = NATIVE
+) -> tuple[ctypes.CDLL | None, str]:
+    """The library built from `source` for `target` (-march) into `directory` (default: a
+    per-user folder under the system's temporary one) unless this machine's build is there;
+    (None, why) where it cannot be."""
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None, "no C++ compiler (c++ or g++) on PATH"
     directory = directory or Path(tempfile.gettempdir()) / f"loramux-kernels-{os.getuid()}"
-    library = directory / f"{source.stem}-{_build_key(compiler, source)}.so"
+    flags = (*FLAGS, f"-march={target}")
+    library = directory / f"{source.stem}-{_build_key(compiler, flags, source)}.so"
     try:
-        error = "" if library.exists() else _build(compiler, source, library)
+        error = "" if library.exists() else _build(compiler, flags, source, library)
         if error:
             return None, error
         return ctypes.CDLL(str(library)), f"built with {compiler} at {library}"
@@ -72,13 +82,12 @@ def load_cpu_library(source: Path, directory: Path | None = None) -> tuple[ctype
         return None, f"cannot build or load {library}: {e}"
 
 
-def _build_key(compiler: str, source: Path) -> str:
-    """Names the build of this source and the headers beside it, by these flags, for this CPU
-    (-march=native)."""
+def _build_key(compiler: str, flags: tuple[str, ...], source: Path) -> str:
+    """Names the build of this source and the headers beside it, by these flags, on this CPU."""
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):
         digest.update(header.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_signature())).encode())
+    digest.update(" ".join((compiler, *flags, platform.machine(), _cpu_signature())).encode())
     return digest.hexdigest()[:16]
 
 
@@ -90,13 +99,13 @@ def _cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
-def _build(compiler: str, source: Path, library: Path) -> str:
+def _build(compiler: str, flags: tuple[str, ...], source: Path, library: Path) -> str:
     """Compiles `source` into `library`, atomically (processes may build it at once); '' or why not."""
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         partial = Path(scratch) / library.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(source)], capture_output=True, text=True
+            [compiler, *flags, "-o", str(partial), str(source)], capture_output=True, text=True
         )
         if done.returncode != 0:
             return f"{compiler} failed to build {source.name}: {done.stderr.strip()[-2000:]}"

@@ -32,11 +32,11 @@ def guarded(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)[end - size : end].view(dtype).view(shape)
 
 
-def in_child(module: str, function: str) -> subprocess.CompletedProcess:
-    """Runs module.function() in a fresh interpreter at the repo root; a fault shows as a return
-    code of -SIGSEGV, a failed assertion as 1 with its traceback in stderr."""
+def in_child(module: str, function: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs module.function(*args) in a fresh interpreter at the repo root; a fault shows as a
+    return code of -SIGSEGV, a failed assertion as 1 with its traceback in stderr."""
     return subprocess.run(
-        [sys.executable, "-c", f"from {module} import {function}; {function}()"],
+        [sys.executable, "-c", f"from {module} import {function}; {function}(*{list(args)!r})"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

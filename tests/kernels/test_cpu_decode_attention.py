@@ -16,8 +16,9 @@ CONTEXTS = [1, 7, 33, 150, 64]
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuDecodeAttention:
-    kernel, why = CpuDecodeAttention.load()  # the workers' folder: one build serves tests and engines
+def kernel(target) -> CpuDecodeAttention:
+    # the workers' folder: one build (of each target) serves tests and engines
+    kernel, why = CpuDecodeAttention.load(target=target)
     assert kernel is not None, why  # this machine has a compiler: make test's set-up needs one
     return kernel
 
@@ -150,12 +151,13 @@ def test_queries_of_another_dtype_are_refused(kernel):
         kernel(q.float(), k_cache, v_cache, tables, contexts, 0.25, None)
 
 
-def reads_within_the_cache_and_the_table() -> None:
-    """In a child (guard_pages.in_child): blocks of 4 rows, fewer than a group of 16 keys, the last
-    sequence's last block the cache's last, and its context a whole table row. A key read past its
-    block (past a partial group), or a table entry read past the row (for the prefetch of a block
-    past the context), reads the page after the cache or the table and faults."""
-    kernel, why = CpuDecodeAttention.load()
+def reads_within_the_cache_and_the_table(target: str) -> None:
+    """In a child (guard_pages.in_child), the kernel built for `target`: blocks of 4 rows, fewer
+    than a group of 16 keys, the last sequence's last block the cache's last, and its context a
+    whole table row. A key read past its block (past a partial group), or a table entry read past
+    the row (for the prefetch of a block past the context), reads the page after the cache or the
+    table and faults."""
+    kernel, why = CpuDecodeAttention.load(target=target)
     assert kernel is not None, why
     block_size, kv_heads, head_dim, contexts = 4, 1, 16, [7, 8]
     tables = guarded((2, 2), torch.int64)  # [decodes, max_blocks]
@@ -170,6 +172,6 @@ def reads_within_the_cache_and_the_table() -> None:
         _check(out, q, k_cache, v_cache, tables, contexts_t, 0.25, None)
 
 
-def test_reads_nothing_past_the_cache_or_the_table():
-    child = in_child(__name__, reads_within_the_cache_and_the_table.__name__)
+def test_reads_nothing_past_the_cache_or_the_table(target):
+    child = in_child(__name__, reads_within_the_cache_and_the_table.__name__, target)
     assert child.returncode == 0, f"return code {child.returncode}: {child.stderr[-2000:]}"

@@ -15,8 +15,9 @@ FP32 = 2.0**-24
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuLinear:
-    kernel, why = CpuLinear.load()  # the workers' folder: one build serves tests and engines
+def kernel(target) -> CpuLinear:
+    # the workers' folder: one build (of each target) serves tests and engines
+    kernel, why = CpuLinear.load(target=target)
     assert kernel is not None, why
     return kernel
 
@@ -24,7 +25,7 @@ def kernel() -> CpuLinear:
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=str)
 def dtype(request, kernel) -> torch.dtype:
     if not kernel.runs(torch.empty(1, 2, dtype=request.param)):
-        pytest.skip(f"the kernel has no {request.param} path on this CPU (no AVX512-BF16)")
+        pytest.skip(f"this build of the kernel has no {request.param} path (no AVX512-BF16)")
     return request.param
 
 

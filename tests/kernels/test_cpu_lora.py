@@ -28,8 +28,9 @@ from tests.kernels.slot_spread import SPREADS
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuLora:
-    kernel, why = CpuLora.load()  # the workers' folder: one build serves tests and engines
+def kernel(target) -> CpuLora:
+    # the workers' folder: one build (of each target) serves tests and engines
+    kernel, why = CpuLora.load(target=target)
     assert kernel is not None, why
     return kernel
 
@@ -101,13 +102,13 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
-    kernel, spread, slices, tokens, bias, dtype
+    kernel, target, spread, slices, tokens, bias, dtype
 ):
     """linear() gives, bit for bit, CpuLinear's y = x W^T + b with shrink_expand's products added
     (whose rounding the test above checks against PEFT's): outputs that are not a whole number of
     panels (40), a panel that straddles two slices (72, 24, 24), base-model tokens among the
     adapters' (every third, where there are several), segments longer than a task."""
-    linear, why = CpuLinear.load()
+    linear, why = CpuLinear.load(target=target)
     assert linear is not None, why
     first_target, sizes = SLICES[slices]
     _, pool, _, table = case(spread, slices, 3 if tokens > 1 else 0, dtype, tokens, 40, sizes)
@@ -115,22 +116,23 @@ def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
     weight = torch.randn(sum(sizes), 40, generator=generator).to(dtype)
     b = torch.randn(sum(sizes), generator=generator).to(dtype) if bias else None
     x = torch.randn(tokens, 40, generator=generator).to(dtype)
+    if not linear.runs(weight):  # bf16 on a CPU without AVX512-BF16: its layers take oneDNN's
+        pytest.skip(f"no {dtype} linear kernel in this build (no AVX512-BF16)")
     panels, step = linear.pack(weight), kernel.step(table)
-    if not kernel.runs_linear(panels):
-        pytest.skip(f"no {dtype} linear kernel on this CPU")
+    assert kernel.runs_linear(panels)
     apart = step.shrink_expand(linear(x, panels, sum(sizes), b), x, pool, first_target, sizes, UNIT)
     together = step.linear(x, panels, sum(sizes), b, pool, first_target, sizes, UNIT)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert together.shape == apart.shape and torch.equal(together.view(bits), apart.view(bits))
 
 
-def test_a_steps_layer_calls_are_shaped_by_their_rows_and_bias(kernel):
+def test_a_steps_layer_calls_are_shaped_by_their_rows_and_bias(kernel, target):
     """A layer call's shape is built once a step, as shrink_expand's are: a later call of the
     step with more rows (base-model tokens after the adapters') or with a bias is shaped for its
     own, and still equals the linear then shrink_expand bit for bit; a bias of another dtype, and
     panels not laid out one after another, are refused, though calls of every other part of their
     shape ran before."""
-    linear, why = CpuLinear.load()
+    linear, why = CpuLinear.load(target=target)
     assert linear is not None, why
     first_target, sizes = SLICES[3]
     _, pool, _, table = case("uniform", 3, 0, torch.float32, 8, 40, sizes)
@@ -227,12 +229,12 @@ def test_expand_keeps_subnormal_outputs(kernel, dtype):
     assert torch.equal(out.view(bits), y.view(bits))
 
 
-def reads_within_the_tokens_and_the_rows() -> None:
-    """In a child (guard_pages.in_child): the step's last segment holds 2 tokens, a tile's part,
-    at the end of the table's tokens; x's and y's last rows are a LoRA token's. A tile that read
-    a token past its segment (rather than repeating its last), or a row past x or y, reads the
-    page after them and faults."""
-    kernel, why = CpuLora.load()
+def reads_within_the_tokens_and_the_rows(target: str) -> None:
+    """In a child (guard_pages.in_child), the kernel built for `target`: the step's last segment
+    holds 2 tokens, a tile's part, at the end of the table's tokens; x's and y's last rows are a
+    LoRA token's. A tile that read a token past its segment (rather than repeating its last), or a
+    row past x or y, reads the page after them and faults."""
+    kernel, why = CpuLora.load(target=target)
     assert kernel is not None, why
     first_target, sizes = SLICES[3]
     slots = [0, 1, 1, 2, 0, 1, 3, 2, 0, 1, 3]  # segments in the order of first use: adapter 3's last
@@ -254,6 +256,6 @@ def reads_within_the_tokens_and_the_rows() -> None:
         _assert_rounds_as_peft(out, y, x, pool, slots, adapters, first_target, sizes)
 
 
-def test_reads_nothing_past_the_tokens_or_the_rows():
-    child = in_child(__name__, reads_within_the_tokens_and_the_rows.__name__)
+def test_reads_nothing_past_the_tokens_or_the_rows(target):
+    child = in_child(__name__, reads_within_the_tokens_and_the_rows.__name__, target)
     assert child.returncode == 0, f"return code {child.returncode}: {child.stderr[-2000:]}"

@@ -17,8 +17,9 @@ LONG = [(40, 40), (100, 300), (3, 90)]  # tasks of 16 rows, keys in several step
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuPrefillAttention:
-    kernel, why = CpuPrefillAttention.load()  # the workers' folder: one build serves tests and engines
+def kernel(target) -> CpuPrefillAttention:
+    # the workers' folder: one build (of each target) serves tests and engines
+    kernel, why = CpuPrefillAttention.load(target=target)
     assert kernel is not None, why
     return kernel
 

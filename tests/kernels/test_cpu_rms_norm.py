@@ -13,8 +13,9 @@ FP32 = 2.0**-24
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuRmsNorm:
-    kernel, why = CpuRmsNorm.load()  # the workers' folder: one build serves tests and engines
+def kernel(target) -> CpuRmsNorm:
+    # the workers' folder: one build (of each target) serves tests and engines
+    kernel, why = CpuRmsNorm.load(target=target)
     assert kernel is not None, why
     return kernel
 

@@ -13,8 +13,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuRope:
-    kernel, why = CpuRope.load()  # the workers' folder: one build serves tests and engines
+def kernel(target) -> CpuRope:
+    # the workers' folder: one build (of each target) serves tests and engines
+    kernel, why = CpuRope.load(target=target)
     assert kernel is not None, why
     return kernel
 

@@ -17,8 +17,9 @@ EDGES = [0.0, 30.0, 100.0, -30.0, -100.0, -200.0]
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuSwiglu:
-    kernel, why = CpuSwiglu.load()  # the workers' folder: one build serves tests and engines
+def kernel(target) -> CpuSwiglu:
+    # the workers' folder: one build (of each target) serves tests and engines
+    kernel, why = CpuSwiglu.load(target=target)
     assert kernel is not None, why
     return kernel
 

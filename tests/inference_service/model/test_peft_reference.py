@@ -18,6 +18,7 @@ from inference_service.engine.model_runner import ModelRunner
 from inference_service.model.forward_batch import SequenceInput
 from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.cpu_kernels import CpuKernels
+from kernels.cpu_library import BASELINE
 from kernels.cpu_linear import CpuLinear
 from kernels.cpu_lora import CpuLoraStep
 from kernels.cpu_prefill_attention import CpuPrefillAttention
@@ -28,6 +29,7 @@ from shared.base_vocab import BaseVocab
 from shared.peft_checkpoint import load_peft_adapter
 from tests.conftest import TINY_ADAPTERS
 from tests.fp32_agreement import assert_fp32_agrees
+from tests.kernels.targets import kernel_targets
 
 BASE = None
 # One row per request: its adapter (None = base model) and prompt length. Rows of one adapter
@@ -124,25 +126,28 @@ def _runner(
     return runner, slots, memory
 
 
-@pytest.mark.parametrize("path", ["compiled", "torch", "triton"])
+@pytest.mark.parametrize("path", ["compiled", "baseline", "torch", "triton"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
 def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, path, tiny_models, tiny_adapters):
-    """On the CPU with every compiled kernel (as a CPU worker runs), on the torch path a CPU
-    without a compiler takes (blocks and pages gathered for SDPA and batched matmuls, torch's
-    elementwise ops, weights in oneDNN's layout), and on the Triton kernels' path (attention and
-    LoRA; in the interpreter here, compiled on a GPU)."""
+    """On the CPU with every compiled kernel (as a CPU worker runs), with every kernel built for
+    the AVX2 baseline (as an AVX2-only CPU's worker runs; where this CPU has AVX-512 besides), on
+    the torch path a CPU without a compiler takes (blocks and pages gathered for SDPA and batched
+    matmuls, torch's elementwise ops, weights in oneDNN's layout), and on the Triton kernels' path
+    (attention and LoRA; in the interpreter here, compiled on a GPU)."""
+    if path == "baseline" and BASELINE not in kernel_targets():
+        pytest.skip("this CPU has no AVX-512: its own build (path compiled) takes the baseline's paths")
     adapter_dirs = tiny_adapters[model_type]
     reference = Peft(tiny_models[model_type], adapter_dirs)
-    if path == "torch":  # no kernel built: the weights are packed without one too
-        with mock.patch.object(model_runner, "_cpu_kernels", CpuKernels):
-            runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
-    else:
+    # no kernel built on the torch path: the weights are packed without one too
+    built = {"torch": CpuKernels, "baseline": lambda: CpuKernels.load(target=BASELINE)[0]}
+    with mock.patch.object(model_runner, "_cpu_kernels", built.get(path, model_runner._cpu_kernels)):
         runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
-        assert all(getattr(runner.cpu_kernels, kernel.name) is not None for kernel in fields(CpuKernels))
+    loaded = [getattr(runner.cpu_kernels, kernel.name) is not None for kernel in fields(CpuKernels)]
+    assert all(loaded) if path != "torch" else not any(loaded)
     kernels = path == "triton"
     with counted_calls(ENTRY_POINTS) as calls:
         assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=1, kernels=kernels)
-    if path == "compiled":  # each kernel ran, not only loaded: none is left out of the forward
+    if path in ("compiled", "baseline"):  # each kernel ran, not only loaded: none is left out
         assert all(calls.values()), f"kernels never called: {[name for name, n in calls.items() if not n]}"
     elif path == "torch":
         assert not any(calls.values()), calls
