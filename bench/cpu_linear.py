@@ -6,6 +6,11 @@ to prefill 8 prompts of 512 tokens; the engines alternate in rounds. Whether the
 agree is printed (fp32: they should; bf16 may differ at a near tie).
 
     .venv/bin/python -m bench.cpu_linear [--dtypes float32 bfloat16] [--batches 1 8 32 128] [--rounds 4]
+        [--target x86-64-v3]
+
+--target builds the kernels for another -march, e.g. the AVX2 baseline an AVX2-only CPU's build
+takes (kernels/cpu_library.py); on a CPU with AVX-512, hold torch and oneDNN to AVX2 as well
+(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) to compare what such a CPU would run.
 """
 
 import argparse
@@ -19,14 +24,15 @@ from bench.peers import loramux_engine
 from bench.profile_decode import alternate, decode_step_seconds, timed_prefill
 from inference_service.engine import Engine, model_runner
 from kernels.cpu_kernels import CpuKernels
+from kernels.cpu_library import NATIVE
 
 PROMPT, LONG_PROMPT, LONG_PROMPTS, STEPS = 32, 512, 8, 8
 
 
-def engines(model_dir: Path, dtype: str, batch: int) -> dict[str, Engine]:
-    """Engines of up to `batch` requests: "kernel" with the compiled linear kernel, "oneDNN" as a
-    worker whose kernel could not be built."""
-    kernels, how = CpuKernels.load()
+def engines(model_dir: Path, dtype: str, batch: int, target: str) -> dict[str, Engine]:
+    """Engines of up to `batch` requests, their kernels built for `target`: "kernel" with the
+    compiled linear kernel, "oneDNN" as a worker whose kernel could not be built."""
+    kernels, how = CpuKernels.load(target=target)
     if kernels.linear is None:
         raise SystemExit(f"no compiled linear kernel here ({how}): nothing to compare")
     built = {"kernel": kernels, "oneDNN": replace(kernels, linear=None)}
@@ -68,9 +74,11 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--target", default=NATIVE, help="the kernels' -march (default: this CPU)")
     args = parser.parse_args()
     for dtype in args.dtypes:
-        compare(engines(default_model_dir(), dtype, max(args.batches)), dtype, args.batches, args.rounds)
+        arms = engines(default_model_dir(), dtype, max(args.batches), args.target)
+        compare(arms, dtype, args.batches, args.rounds)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,14 @@ class CpuKernels:
         """The kernels built for `target` (-march), and how each was had (built where, or why not
         and what runs instead)."""
         kernels, said = {}, []
-        for name, (kind, instead) in _TORCH_PATHS.items():
+        for name, (kind, instead) in TORCH_PATHS.items():
             kernels[name], how = kind.load(directory, target)
             said.append(f"{name}: {how if kernels[name] else f'{instead} ({how})'}")
         return cls(**kernels), "; ".join(said)
 
 
 # each kernel's class, and what runs without it
-_TORCH_PATHS = {
+TORCH_PATHS = {
     "decode_attention": (CpuDecodeAttention, "gathering blocks for SDPA"),
     "prefill_attention": (CpuPrefillAttention, "gathering blocks for SDPA"),
     "lora": (CpuLora, "gathering pages for batched matmuls"),

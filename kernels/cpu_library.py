@@ -38,12 +38,21 @@ class CompiledKernel:
     ctypes; the subclass is made from the library."""
 
     SOURCE: Path
+    # Declined where its build has no AVX-512 (cpu_vec.h's vec_in_one_register), as slower there
+    # than its torch path.
+    AVX512_ONLY = False
 
     @classmethod
     def load(cls, directory: Path | None = None, target: str = NATIVE) -> "tuple[Self | None, str]":
         """The kernel, built for `target` (-march) into `directory` (load_cpu_library's default: a
-        per-user folder) unless this machine's build is there; (None, why) where it cannot be."""
+        per-user folder) unless this machine's build is there; (None, why) where it cannot be or
+        is declined (AVX512_ONLY)."""
         library, why = load_cpu_library(cls.SOURCE, directory, target)
+        if library is not None and cls.AVX512_ONLY and not library.vec_in_one_register():
+            return None, (
+                f"{why}, and declined: without AVX-512 (-march={target}) its vectors are two "
+                "registers, and torch's path is faster"
+            )
         return (cls(library) if library else None), why
 
 

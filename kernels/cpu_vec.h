@@ -17,6 +17,17 @@ typedef uint16_t Half16 __attribute__((vector_size(32)));
 typedef _Float16 Fp16x16 __attribute__((vector_size(32)));
 constexpr int64_t kVec = 16;
 
+// Whether a Vec is one register, as AVX-512's are. Where it is two AVX2 ones, GCC 12 moves lanes
+// through the stack in places (a runtime scalar's splat, a tile of accumulators): kernels measured
+// slower than their torch path so are declined there (CompiledKernel.AVX512_ONLY).
+extern "C" int vec_in_one_register() {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 inline float widen(float x) { return x; }
 inline float widen(_Float16 x) { return static_cast<float>(x); }
 inline float widen(uint16_t bf16) {  // bfloat16: the high half of a float

@@ -12,4 +12,16 @@ BASELINE_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", 
 
 def kernel_targets() -> list[str]:
     flags = set(cpuinfo().get("flags", "").split())
-    return [NATIVE, BASELINE] if flags >= BASELINE_FLAGS and "avx512f" in flags else [NATIVE]
+    return [NATIVE, BASELINE] if flags >= BASELINE_FLAGS and has_avx512(NATIVE) else [NATIVE]
+
+
+def has_avx512(target: str) -> bool:
+    """Whether a build for `target` on this CPU has AVX-512."""
+    return target == NATIVE and "avx512f" in cpuinfo().get("flags", "").split()
+
+
+def declined(target: str) -> set[str]:
+    """The CpuKernels a build for `target` declines for their torch paths: none with AVX-512; the
+    attention kernels without it, measured slower than SDPA there (kernels/cpu_library.py's
+    AVX512_ONLY)."""
+    return set() if has_avx512(target) else {"decode_attention", "prefill_attention"}
