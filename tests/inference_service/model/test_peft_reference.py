@@ -139,12 +139,12 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, path, tiny_
     adapter_dirs = tiny_adapters[model_type]
     reference = Peft(tiny_models[model_type], adapter_dirs)
     # no kernel built on the torch path: the weights are packed without one too
-    built = {"torch": CpuKernels, "baseline": lambda: CpuKernels.load(target=BASELINE)[0]}
-    with mock.patch.object(model_runner, "_cpu_kernels", built.get(path, model_runner._cpu_kernels)):
+    loaders = {"torch": CpuKernels, "baseline": lambda: CpuKernels.load(target=BASELINE)[0]}
+    with mock.patch.object(model_runner, "_cpu_kernels", loaders.get(path, model_runner._cpu_kernels)):
         runner, slots, _ = _runner(tiny_models[model_type], adapter_dirs)
     names = {kernel.name for kernel in fields(CpuKernels)}
     loaded = {name for name in names if getattr(runner.cpu_kernels, name) is not None}
-    # a build without AVX-512 declines prefill attention for torch's SDPA
+    # a build without AVX-512 declines the attention kernels for torch's SDPA
     built = names - declined(BASELINE if path == "baseline" else NATIVE)
     assert loaded == (set() if path == "torch" else built)
     kernels = path == "triton"
