@@ -42,12 +42,18 @@ def quantize_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (index[::2] << 4) | index[1::2], absmax
 
 
+def nf4_pairs(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The two values each byte of packed codes holds: [256, 2] fp32, the high nibble's first."""
+    code, byte = nf4_code(device), torch.arange(256, device=device)
+    return torch.stack((code[byte >> 4], code[byte & 0xF]), dim=1)  # [256, 2]
+
+
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype):
     """packed [n / 2] uint8, absmax [n / 64] -> the weight [out, in] in `dtype`; the product is
-    taken in fp32 and rounded to `dtype` once, as bitsandbytes does."""
-    index = torch.stack((packed >> 4, packed & 0xF), dim=1).reshape(-1, BLOCK).long()  # [blocks, 64]
-    values = nf4_code(packed.device)[index] * absmax[:, None]  # [blocks, 64] fp32
-    return values.reshape(shape).to(dtype)
+    taken in fp32 and rounded to `dtype` once, as bitsandbytes does. Each byte is looked up once
+    for both its values (half the time of a lookup per code with int64 indices, on the CPU)."""
+    values = F.embedding(packed.int(), nf4_pairs(packed.device)).view(-1, BLOCK)  # [blocks, 64] fp32
+    return values.mul_(absmax[:, None]).view(shape).to(dtype)
 
 
 def nf4_linear(
