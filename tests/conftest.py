@@ -4,6 +4,13 @@ import os
 from pathlib import Path
 
 import pytest
+
+from shared.huge_page_advice import advised
+
+# As a worker does (inference_service/__main__.py), before torch is imported: the in-process
+# engines' tensors on 2 MiB pages as they are written, not copied there once loaded.
+os.environ.update(advised(os.environ))
+
 import torch
 
 # Without a GPU the Triton kernels run in Triton's interpreter (numpy on the CPU). It is chosen

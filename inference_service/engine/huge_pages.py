@@ -7,6 +7,11 @@ steps took 0.87 to 0.99 of the time (bf16 and fp32 at batches 1 and 8, with adap
 two engines side by side in one process, the gain moving with the machine's state). Where the
 kernel cannot move them (before 6.1, not Linux) nothing changes but the speed, and the worker's
 log says why.
+
+A worker's memory is mostly there already: its entry point advises torch's allocator to ask for
+2 MiB pages from the first write (shared/huge_page_advice.py), and collapsing memory already on
+them costs nothing. What is left is what the kernel would not back that way (transparent huge
+pages off) or what a process allocated without the advice (an engine in a caller's process).
 """
 
 import ctypes
