@@ -1,11 +1,11 @@
-// y = x W^T + b on the CPU for fp32 and bf16 weights; built, loaded and documented by
-// kernels/cpu_linear.py, over the panels of kernels/cpu_panels.h.
+// y = x W^T + b on the CPU for fp32, bf16 and int8 weights (fp32 rows for int8); built, loaded
+// and documented by kernels/cpu_linear.py, over the panels of kernels/cpu_panels.h.
 #include "cpu_panels.h"
 
 namespace {
 
-template <typename Kind, typename T = typename Kind::T>
-void linear(const Linear* s, const T* x, const T* w, const T* bias, T* y) {
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void linear(const Linear* s, const T* x, const W* w, const T* bias, T* y) {
 #pragma omp parallel for schedule(static) if (s->rows * s->out * s->inputs > 1 << 18)
     for (int64_t p = 0; p < s->panels; ++p) {
         NoLines none;
@@ -19,6 +19,10 @@ extern "C" int64_t linear_panel_columns() { return kCols; }
 
 extern "C" void linear_float32(const Linear* s, const float* x, const float* w, const float* bias, float* y) {
     linear<Fp32>(s, x, w, bias, y);
+}
+
+extern "C" void linear_int8(const Linear* s, const float* x, const int8_t* w, const float* bias, float* y) {
+    linear<Int8>(s, x, w, bias, y);
 }
 
 #ifdef __AVX512BF16__

@@ -7,7 +7,9 @@
 // registers and adds that sum to its totals, which it stores once, so y is written once and never
 // read. The panel comes from memory for the first tile and from L2 for the rest (its blocks from
 // L1, at 512 rows, took 1.04x as long: each block's sums went through y). fp32 sums blocks of
-// s.block inputs; bf16 sums all inputs in one block and rounds once.
+// s.block inputs; bf16 sums all inputs in one block and rounds once. int8 weights (one scale per
+// output) multiply fp32 rows as fp32 ones do, each vector of them widened as it is read; the
+// totals are scaled, then the bias added, as they are stored.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -20,6 +22,7 @@
 
 struct Linear {
     int64_t rows, out, inputs, x_stride, y_stride, panels, block;
+    const float* scale;  // [out]: int8 weights' scales; null for others
 };
 
 // The accumulators are the ISA's own vectors, so that a tile's stay in registers.
@@ -57,9 +60,13 @@ inline Vec sixteen(const Lanes* acc, int64_t c) {
 }
 
 // x times the panel's weights for one step of inputs: one fp32 input, or a pair of bf16 ones.
+// T: x's, y's and the bias' type; W: the weights'; kScaled: whether each output's total is
+// multiplied by its scale (then the bias is added after, not summed from the start).
 struct Fp32 {
     using T = float;
+    using W = float;
     static constexpr int64_t kStep = 1;
+    static constexpr bool kScaled = false;
     static int64_t block(const Linear& s) { return s.block; }
     static void madd(Lanes* acc, const float* x, const float* w) {
         for (int v = 0; v < kPanelVecs; ++v) acc[v] += *x * load_as<Lanes>(w + v * kLanes);
@@ -69,7 +76,9 @@ struct Fp32 {
 #ifdef __AVX512BF16__
 struct Bf16 {
     using T = uint16_t;
+    using W = uint16_t;
     static constexpr int64_t kStep = 2;
+    static constexpr bool kScaled = false;
     static int64_t block(const Linear& s) { return s.inputs; }  // bf16 outputs are rounded once
     static void madd(Lanes* acc, const uint16_t* x, const uint16_t* w) {
         const __m512bh pair = (__m512bh)_mm512_set1_epi32(load_as<int32_t>(x));
@@ -80,22 +89,67 @@ struct Bf16 {
 };
 #endif
 
-// A tile's totals before its first block: the panel's `cols` biases widened to fp32, or zeros.
+// fp32 rows times int8 weights (torchao's weight-only int8): each weight widened to fp32 (exact),
+// multiplied and summed as Fp32's; each output's total times its scale, then the bias.
+struct Int8 {
+    using T = float;
+    using W = int8_t;
+    static constexpr int64_t kStep = 1;
+    static constexpr bool kScaled = true;
+    static int64_t block(const Linear& s) { return s.block; }
+    static Lanes widened(const int8_t* w) {
+#ifdef __AVX512F__
+        return (Lanes)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_as<__m128i>(w)));
+#else
+        typedef int8_t Bytes __attribute__((vector_size(kLanes)));
+        return __builtin_convertvector(load_as<Bytes>(w), Lanes);
+#endif
+    }
+    static void madd(Lanes* acc, const float* x, const int8_t* w) {
+        for (int v = 0; v < kPanelVecs; ++v) acc[v] += *x * widened(w + v * kLanes);
+    }
+};
+
+// A panel's `cols` values of `from` (biases or scales) widened to fp32, the rest (all, where
+// `from` is null) zeros.
 template <typename T>
-void start_totals(const T* bias, int64_t cols, Lanes* start) {  // start [kPanelVecs]
+void panel_lanes(const T* from, int64_t cols, Lanes* lanes) {  // lanes [kPanelVecs]
     float b[kCols] = {};
-    if (bias != nullptr) std::transform(bias, bias + cols, b, [](T v) { return widen(v); });
-    for (int v = 0; v < kPanelVecs; ++v) start[v] = load_as<Lanes>(b + v * kLanes);
+    if (from != nullptr) std::transform(from, from + cols, b, [](T v) { return widen(v); });
+    for (int v = 0; v < kPanelVecs; ++v) lanes[v] = load_as<Lanes>(b + v * kLanes);
 }
 
-// The tile's R rows of y, one panel's `cols` outputs: its totals, rounded to T.
-template <int R, typename T>
-void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], T* y, int64_t cols) {
+// What a tile's totals start from and end with, for one panel: they start from its biases (or
+// zeros) and are stored as they are; scaled kinds start from zeros and store totals * scale + bias.
+struct Ends {
+    Lanes start[kPanelVecs], scale[kPanelVecs], bias[kPanelVecs];
+};
+
+template <typename Kind, typename T = typename Kind::T>
+Ends panel_ends(const Linear& s, const T* bias, int64_t p, int64_t cols) {
+    Ends ends;
+    const T* panel_bias = bias == nullptr ? nullptr : bias + p * kCols;
+    panel_lanes(Kind::kScaled ? nullptr : panel_bias, cols, ends.start);
+    if constexpr (Kind::kScaled) {
+        panel_lanes(s.scale + p * kCols, cols, ends.scale);
+        panel_lanes(panel_bias, cols, ends.bias);
+    }
+    return ends;
+}
+
+// The tile's R rows of y, one panel's `cols` outputs: its totals (scaled kinds: times the scales,
+// plus the biases), rounded to T.
+template <typename Kind, int R, typename T = typename Kind::T>
+void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], const Ends& ends, T* y, int64_t cols) {
     for (int r = 0; r < R; ++r) {
         T* yr = y + r * s.y_stride;
         T last[kCols];  // the last panel's outputs, written through here
         T* to = cols == kCols ? yr : last;
-        for (int64_t c = 0; c < kCols; c += kVec) store(to + c, sixteen(total[r], c));
+        for (int64_t c = 0; c < kCols; c += kVec) {
+            Vec out = sixteen(total[r], c);
+            if constexpr (Kind::kScaled) out = out * sixteen(ends.scale, c) + sixteen(ends.bias, c);
+            store(to + c, out);
+        }
         if (to == last) std::copy(last, last + cols, yr);
     }
 }
@@ -104,17 +158,17 @@ void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], T* y, in
 // and the sum added to the tile's totals (in L1), which are stored once.
 // x: the rows' first inputs; w: the panel; ask: whether to ask for the weights kAhead bytes on;
 // lines: the call's other bytes, stepped once per step of inputs.
-template <typename Kind, int R, typename Lines, typename T = typename Kind::T>
-void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int64_t cols, bool ask, Lines& lines) {
-    constexpr int64_t step_bytes = Kind::kStep * kCols * sizeof(T);  // the weights of one step
+template <typename Kind, int R, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
+void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64_t cols, bool ask, Lines& lines) {
+    constexpr int64_t step_bytes = Kind::kStep * kCols * sizeof(W);  // the weights of one step
     const int64_t block = Kind::block(s);
     Lanes total[R][kPanelVecs];
-    for (int r = 0; r < R; ++r) std::copy(start, start + kPanelVecs, total[r]);
+    for (int r = 0; r < R; ++r) std::copy(ends.start, ends.start + kPanelVecs, total[r]);
     for (int64_t k0 = 0; k0 < s.inputs; k0 += block) {
         const int64_t stop = std::min(k0 + block, s.inputs);
         Lanes acc[R][kPanelVecs] = {};
         for (int64_t k = k0; k < stop; k += Kind::kStep) {
-            const T* wk = w + k * kCols;
+            const W* wk = w + k * kCols;
             if (R > 1 && ask) {
                 const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
                 for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
@@ -126,7 +180,7 @@ void tile(const Linear& s, const T* x, const T* w, const Lanes* start, T* y, int
             for (int v = 0; v < kPanelVecs; ++v) total[r][v] += acc[r][v];
         }
     }
-    store_totals<R>(s, total, y, cols);
+    store_totals<Kind, R>(s, total, ends, y, cols);
 }
 
 // How many times panel() steps its Lines: once per step of inputs of each tile.
@@ -135,30 +189,29 @@ int64_t panel_steps(const Linear& s) {
     return (s.rows + kRows - 1) / kRows * ((s.inputs + Kind::kStep - 1) / Kind::kStep);
 }
 
-// Panel p times every row of x: its totals started from its biases, then a tile of kRows rows
-// at a time, the last rows in one smaller tile.
-template <typename Kind, typename Lines, typename T = typename Kind::T>
-void panel(const Linear& s, const T* x, const T* w, const T* bias, T* y, int64_t p, Lines& lines) {
+// Panel p times every row of x: its totals started from its biases (panel_ends), then a tile of
+// kRows rows at a time, the last rows in one smaller tile.
+template <typename Kind, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
+void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p, Lines& lines) {
     const int64_t cols = std::min(kCols, s.out - p * kCols);
     w += p * s.inputs * kCols;
     y += p * kCols;
-    Lanes start[kPanelVecs];
-    start_totals(bias == nullptr ? nullptr : bias + p * kCols, cols, start);
+    const Ends ends = panel_ends<Kind>(s, bias, p, cols);
     int64_t m = 0;
     for (; m + kRows <= s.rows; m += kRows) {
-        tile<Kind, kRows>(s, x + m * s.x_stride, w, start, y + m * s.y_stride, cols, m < kAskRows, lines);
+        tile<Kind, kRows>(s, x + m * s.x_stride, w, ends, y + m * s.y_stride, cols, m < kAskRows, lines);
     }
     x += m * s.x_stride;
     y += m * s.y_stride;
     const bool ask = m < kAskRows;
     switch (s.rows - m) {
         case 0: break;
-        case 1: tile<Kind, 1>(s, x, w, start, y, cols, ask, lines); break;
-        case 2: tile<Kind, 2>(s, x, w, start, y, cols, ask, lines); break;
-        case 3: tile<Kind, 3>(s, x, w, start, y, cols, ask, lines); break;
-        case 4: tile<Kind, 4>(s, x, w, start, y, cols, ask, lines); break;
-        case 5: tile<Kind, 5>(s, x, w, start, y, cols, ask, lines); break;
-        case 6: tile<Kind, 6>(s, x, w, start, y, cols, ask, lines); break;
-        default: tile<Kind, 7>(s, x, w, start, y, cols, ask, lines); break;
+        case 1: tile<Kind, 1>(s, x, w, ends, y, cols, ask, lines); break;
+        case 2: tile<Kind, 2>(s, x, w, ends, y, cols, ask, lines); break;
+        case 3: tile<Kind, 3>(s, x, w, ends, y, cols, ask, lines); break;
+        case 4: tile<Kind, 4>(s, x, w, ends, y, cols, ask, lines); break;
+        case 5: tile<Kind, 5>(s, x, w, ends, y, cols, ask, lines); break;
+        case 6: tile<Kind, 6>(s, x, w, ends, y, cols, ask, lines); break;
+        default: tile<Kind, 7>(s, x, w, ends, y, cols, ask, lines); break;
     }
 }

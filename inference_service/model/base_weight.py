@@ -44,12 +44,15 @@ class DenseWeight(nn.Module):
 
 
 class Int8Weight(nn.Module):
-    """torchao's Int8WeightOnlyConfig: rows quantized symmetrically to int8, one fp32 scale each."""
+    """torchao's Int8WeightOnlyConfig: rows quantized symmetrically to int8, one fp32 scale each.
+    On a CPU, fp32 activations multiply them in kernels/cpu_linear.py's panels once pack() ran."""
 
     def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
         super().__init__()
+        self.dtype = dtype  # the activations'
         self.register_buffer("q", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.zeros(out_features, dtype=torch.float32, device=device))
+        self.linear: CpuLinear | None = None  # multiplies q, in its panels, once pack() ran
 
     def load_rows(self, offset: int, rows: torch.Tensor, columns: tuple[int, int] | None = None) -> None:
         """Whole rows, quantized with a scale each; under tensor parallelism a row-parallel rank
@@ -62,7 +65,16 @@ class Int8Weight(nn.Module):
         self.q[offset : offset + q.shape[0]] = q
         self.scale[offset : offset + q.shape[0]] = scale
 
+    def pack(self, linear: CpuLinear | None) -> None:
+        """Once loaded, on a CPU with fp32 activations: q laid out in `linear`'s panels, each
+        weight widened as the kernel reads it (torch's path casts all of q at every call)."""
+        if self.dtype == torch.float32 and linear is not None and linear.runs(self.q):
+            self.q, self.linear = linear.pack(self.q), linear  # [panels, in, columns]
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.linear is not None:
+            x = x if x.stride(1) == 1 else x.contiguous()
+            return self.linear(x, self.q, self.scale.shape[0], bias, self.scale)  # [tokens, out]
         if x.is_cuda:  # one launch, the int8 tiles cast as they load
             return int8_linear_triton(x, self.q, self.scale, bias)  # [tokens, out]
         return int8_linear(x, self.q, self.scale, bias)  # [tokens, out]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_service.model.base_weight import DenseWeight, base_weight
+from inference_service.model.base_weight import DenseWeight, Int8Weight, base_weight
 from inference_service.model.collectives import Collectives
 from inference_service.model.packed_weight import PanelWeight
 from kernels.cpu_linear import CpuLinear
@@ -103,9 +103,12 @@ class LoRALinear(nn.Module):
         self.panels: PanelWeight | None = None  # the base weight, where the LoRA kernels multiply by it
 
     def pack(self, linear: CpuLinear | None, lora: CpuLora | None = None) -> None:
-        """Once loaded, on a CPU: a dense base weight laid out for its matmuls (DenseWeight.pack).
-        Where that is `linear`'s panels, `lora` runs them, and the adapters are not split across
-        ranks, a step's compiled LoRA kernels run the base matmul and the adapters in one call."""
+        """Once loaded, on a CPU: a dense or int8 base weight laid out for its matmuls
+        (DenseWeight.pack, Int8Weight.pack). Where a dense one's is `linear`'s panels, `lora` runs
+        them, and the adapters are not split across ranks, a step's compiled LoRA kernels run the
+        base matmul and the adapters in one call."""
+        if isinstance(self.base, Int8Weight):
+            self.base.pack(linear)
         if isinstance(self.base, DenseWeight):
             self.base.pack(linear)
             packed = self.base.packed

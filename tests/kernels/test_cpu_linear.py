@@ -1,14 +1,15 @@
 """The CPU's linear kernel against F.linear in float64, within the bound of the sums it makes
-(fp32: blocked; bf16: one fp32 sum rounded once): every row tile (8 rows, and 1 to 7 left), input
-blocks whole and cut short, panels whole and the last one partial, with and without bias, x read
-at its row stride. That fp32 sums in blocks (and not in one pass) is asserted in
-tests/inference_service/model/test_packed_weight.py."""
+(fp32 and int8 weights: blocked; bf16: one fp32 sum rounded once): every row tile (8 rows, and 1
+to 7 left), input blocks whole and cut short, panels whole and the last one partial, with and
+without bias, x read at its row stride. That fp32 sums in blocks (and not in one pass) is
+asserted in tests/inference_service/model/test_packed_weight.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import SUM_BLOCK, CpuLinear
+from kernels.int8_linear import quantize_int8_rows
 from tests.kernels.rounding import assert_within, cast_error, gamma
 
 FP32 = 2.0**-24
@@ -99,3 +100,41 @@ def test_other_dtypes_and_shapes_are_refused(kernel):
         kernel(x, panels, 48, torch.zeros(48, dtype=torch.bfloat16))
     assert not kernel.runs(torch.zeros(4, 63, dtype=torch.bfloat16))  # inputs not in pairs
     assert not kernel.runs(torch.zeros(4, 64, dtype=torch.float16))
+
+
+def _int8_bound(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """int8 weights are exact in fp32: the sums err as fp32's do (_bound), then the product by the
+    scale and the addition of the bias round once each: gamma(s) * (|x| |q|^T |scale| + |bias|)."""
+    inputs = x.shape[1]
+    s = (min(inputs, SUM_BLOCK) + -(-inputs // SUM_BLOCK) + 2) * FP32
+    magnitude = (
+        x.double().abs() @ q.double().abs().t()
+    ) * scale.double()  # [tokens, out]; int8 -128 has no abs
+    return gamma(s) * (magnitude + (0 if bias is None else bias.abs().double()))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77])
+@pytest.mark.parametrize("inputs", [18, SUM_BLOCK + 2, 1536])
+@pytest.mark.parametrize("out", [48, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weights_match_the_exact_scaled_product(kernel, tokens, inputs, out, bias):
+    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out)
+    q, scale = quantize_int8_rows(weight)
+    y = kernel(x, kernel.pack(q), out, b, scale)
+    assert y.shape == (tokens, out) and y.dtype == torch.float32
+    exact = (x.double() @ q.double().t()) * scale.double() + (0 if b is None else b.double())
+    assert_within(y, exact, _int8_bound(x, q, scale, b))
+
+
+def test_int8_weights_are_packed_as_fp32_ones_and_need_their_scales(kernel):
+    x, weight, _ = _case(4, 30, 100, False, 5)
+    q, scale = quantize_int8_rows(weight)
+    panels = kernel.pack(q)  # [3, 30, 48] int8
+    assert panels.dtype == torch.int8
+    assert torch.equal(panels.view(torch.uint8), kernel.pack(q.view(torch.uint8).float()).to(torch.uint8))
+    with pytest.raises(AssertionError):
+        kernel(x, panels, 100, None)  # without its scales
+    with pytest.raises(AssertionError):
+        kernel(x.bfloat16(), panels, 100, None, scale)  # int8 weights take fp32 rows
