@@ -127,7 +127,7 @@ struct Ends {
 
 template <typename Kind, typename T = typename Kind::T>
 Ends panel_ends(const Linear& s, const T* bias, int64_t p, int64_t cols) {
-    Ends ends;
+    Ends ends{};
     const T* panel_bias = bias == nullptr ? nullptr : bias + p * kCols;
     panel_lanes(Kind::kScaled ? nullptr : panel_bias, cols, ends.start);
     if constexpr (Kind::kScaled) {

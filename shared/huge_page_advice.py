@@ -1,6 +1,6 @@
 """Large CPU tensors on 2 MiB pages from their first touch. With THP_MEM_ALLOC_ENABLE=1 in the
-environment, torch's CPU allocator advises the kernel (MADV_HUGEPAGE) to back each allocation of
-2 MiB or more with transparent huge pages; it reads the variable once, at its first allocation,
+environment, torch's CPU allocator advises the kernel (MADV_HUGEPAGE) to back each large
+allocation with transparent huge pages; it reads the variable once, at its first allocation,
 so a process sets it before it imports torch. Its workers' weights, adapter memory and KV cache
 are then on 2 MiB pages as they are written, and inference_service/engine/huge_pages.py's
 collapse (which copies what is still on 4 KiB pages) finds nothing left to move: the default
