@@ -4,7 +4,8 @@
 // LoRA token's fp32 sums A x, expand adds B times them (rounded to the pool's dtype first, as PEFT's
 // lora_A output is) into y. Products and sums are fp32 whatever the dtype; bf16 shrinks and expands,
 // on CPUs with AVX512-BF16, multiply in pairs (vdpbf16ps: exact products, a subnormal read as zero).
-// lora_linear runs a layer's base matmul (kernels/cpu_panels.h) and its adapters in one call.
+// lora_linear runs a layer's base matmul (kernels/cpu_panels.h; fp32, bf16 or int8 weights) and its
+// adapters in one call.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -395,8 +396,8 @@ struct PageLines {
 // steps with adapters kept 0.880 (bf16) and 0.882 (fp32) of the base model's speed, and keep
 // 0.914 and 0.902 (one engine, alternating, 8 rounds). At 8 and 128 requests, bound by memory and
 // by the matmuls, it changes nothing.
-template <typename Kind, typename T = typename Kind::T>
-void decode_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const T* w,
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void decode_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const W* w,
                    const T* bias, const T* pool, T* y) {
     const int64_t n = static_cast<int64_t>(tasks.size());
     const PageRun<T> pages(a, pool, tasks);
@@ -423,8 +424,8 @@ void decode_linear(const Linear& s, const Lora& a, const std::vector<Task>& task
 // expands follow the last panel. In decode_linear's order 512-token prefills in fp32 kept less of
 // the base model's speed than in this one in each of 6 runs side by side (0.899 to 0.946 against
 // 0.903 to 1.005).
-template <typename Kind, typename T = typename Kind::T>
-void prefill_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const T* w,
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void prefill_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const W* w,
                     const T* bias, const T* pool, T* y) {
     const int64_t n = static_cast<int64_t>(tasks.size());
     std::vector<float> shrunk(n * kTaskTokens * a.lanes);  // task i's tokens' rows from i * kTaskTokens
@@ -453,8 +454,8 @@ void prefill_linear(const Linear& s, const Lora& a, const std::vector<Task>& tas
 // fixed cost (Python, the threads' wake-up) and its pages' reads with nothing else under way:
 // decode steps with an adapter kept 0.91 (fp32) and 0.88 (bf16) of the base model's speed, and
 // 0.95 and 0.92 to 0.95 in one call (one engine, alternating).
-template <typename Kind, typename T = typename Kind::T>
-void lora_linear(const Linear& s, const Lora& a, const T* x, const T* w, const T* bias, const T* pool, T* y) {
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void lora_linear(const Linear& s, const Lora& a, const T* x, const W* w, const T* bias, const T* pool, T* y) {
     const std::vector<Task> tasks = tasks_of(a);
     if (std::all_of(tasks.begin(), tasks.end(), [](const Task& task) { return task.first == 0; })) {
         decode_linear<Kind>(s, a, tasks, x, w, bias, pool, y);
@@ -470,6 +471,14 @@ extern "C" int64_t lora_panel_columns() { return kCols; }
 extern "C" void lora_linear_float32(const Linear* s, const Lora* a, const float* x, const float* w,
                                     const float* bias, const float* pool, float* y) {
     lora_linear<Fp32>(*s, *a, x, w, bias, pool, y);
+}
+
+// int8 weights: the scales are the call's own (a step's shape serves every layer of its shape).
+extern "C" void lora_linear_int8(const Linear* s, const Lora* a, const float* x, const int8_t* w, const float* bias,
+                                 const float* pool, float* y, const float* scale) {
+    Linear scaled = *s;
+    scaled.scale = scale;
+    lora_linear<Int8>(scaled, *a, x, w, bias, pool, y);
 }
 
 #ifdef __AVX512BF16__

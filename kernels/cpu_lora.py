@@ -52,10 +52,10 @@ class CpuLora(CompiledKernel):
         }
         names = {dtype: f"lora_linear_{DTYPE_NAMES[dtype]}" for dtype in (torch.float32, torch.bfloat16)}
         linear = {dtype: getattr(library, name) for dtype, name in names.items() if hasattr(library, name)}
-        # (bf16 where the CPU has AVX512-BF16) the shapes' pointers, then x's, the panels', the
-        # bias', the pool's and y's
-        for dtype, function in taking_pointers(linear, 7).items():
-            self.functions["linear", dtype] = function
+        # by the weights' dtype (bf16 where the CPU has AVX512-BF16): the shapes' pointers, then
+        # x's, the panels', the bias', the pool's and y's; int8 weights (fp32 x) then their scales'
+        linear = taking_pointers(linear, 7) | taking_pointers({torch.int8: library.lora_linear_int8}, 8)
+        self.functions.update({("linear", dtype): function for dtype, function in linear.items()})
         library.lora_panel_columns.restype = ctypes.c_int64
         self.columns = library.lora_panel_columns()  # the outputs a panel of W holds (CpuLinear's)
 
@@ -151,21 +151,24 @@ class CpuLoraStep:
         first_target: int,
         slice_sizes: tuple[int, ...],
         unit: int,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """shrink_expand(CpuLinear()(x, panels, out, bias), x, pool, ...) in one call, bit for bit:
-        y [tokens, out] = x W^T + b, then each slice's adapter products added (where
-        CpuLora.runs_linear).
-        x [tokens, in] rows contiguous; panels [ceil(out / columns), in, columns], of x's dtype."""
+        """shrink_expand(CpuLinear()(x, panels, out, bias, scale), x, pool, ...) in one call, bit
+        for bit: y [tokens, out] = x W^T + b (int8 W: (x W^T) * scale + b), then each slice's
+        adapter products added (where CpuLora.runs_linear).
+        x [tokens, in] rows contiguous; panels [ceil(out / columns), in, columns], of x's dtype, or
+        int8 with fp32 x and scale [out]."""
         tokens, inputs = x.shape
         key = (
             "linear", first_target, slice_sizes, inputs, unit, x.stride(), (out, 1), 1, x.dtype,
             panels.dtype, pool.dtype, None if bias is None else bias.dtype, panels.shape, panels.stride(),
             tokens,
         )  # fmt: skip
-        run = self._calls.get(key) or self._prepare_linear(key, x, panels, out, bias, pool)
+        run = self._calls.get(key) or self._prepare_linear(key, x, panels, out, bias, pool, scale)
         y = x.new_empty(tokens, out)  # [tokens, out]
         b = None if bias is None else bias.data_ptr()
-        run(x.data_ptr(), panels.data_ptr(), b, pool.data_ptr(), y.data_ptr())
+        scales = () if scale is None else (scale.data_ptr(),)  # the call's own: its layer's
+        run(x.data_ptr(), panels.data_ptr(), b, pool.data_ptr(), y.data_ptr(), *scales)
         return y
 
     def _prepare_linear(
@@ -176,12 +179,13 @@ class CpuLoraStep:
         out: int,
         bias: torch.Tensor | None,
         pool: torch.Tensor,
+        scale: torch.Tensor | None,
     ) -> Callable[..., None]:
         """linear's call of `key`, once its tensors are checked as CpuLinear's call checks them."""
         assert self._kernel.runs_linear(panels)
-        shape = linear_shape(x, panels, out, bias, self._kernel.columns)
+        shape = linear_shape(x, panels, out, bias, self._kernel.columns, scale)
         lora = self._shape(key, x, pool)
-        run = partial(self._kernel.functions["linear", x.dtype], ctypes.byref(shape), ctypes.byref(lora))
+        run = partial(self._kernel.functions["linear", panels.dtype], ctypes.byref(shape), ctypes.byref(lora))
         self._calls[key] = run  # the partial holds the shapes, and their byrefs the structs
         return run
 

@@ -100,20 +100,24 @@ class LoRALinear(nn.Module):
         self.slice_sizes = slice_sizes
         self.slices = _slice_offsets(slice_sizes)  # (offset, size) of each slice in `out`
         self.pool, self.unit, self.first_target = memory  # the pool is the model's: not a buffer here
-        self.panels: PanelWeight | None = None  # the base weight, where the LoRA kernels multiply by it
+        # the base weight, where the LoRA kernels multiply by it: (panels, int8 scales or None)
+        self.panels: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def pack(self, linear: CpuLinear | None, lora: CpuLora | None = None) -> None:
         """Once loaded, on a CPU: a dense or int8 base weight laid out for its matmuls
-        (DenseWeight.pack, Int8Weight.pack). Where a dense one's is `linear`'s panels, `lora` runs
-        them, and the adapters are not split across ranks, a step's compiled LoRA kernels run the
-        base matmul and the adapters in one call."""
+        (DenseWeight.pack, Int8Weight.pack). Where that is `linear`'s panels, `lora` runs them, and
+        the adapters are not split across ranks, a step's compiled LoRA kernels run the base matmul
+        and the adapters in one call."""
+        panels = None
         if isinstance(self.base, Int8Weight):
             self.base.pack(linear)
+            panels = (self.base.q, self.base.scale) if self.base.linear is not None else None
         if isinstance(self.base, DenseWeight):
             self.base.pack(linear)
             packed = self.base.packed
-            ours = isinstance(packed, PanelWeight) and lora is not None and lora.runs_linear(packed.panels)
-            self.panels = packed if ours and self.split is None else None
+            panels = (packed.panels, None) if isinstance(packed, PanelWeight) else None
+        ours = panels is not None and lora is not None and lora.runs_linear(panels[0])
+        self.panels = panels if ours and self.split is None else None
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         if lora is None:
@@ -121,8 +125,9 @@ class LoRALinear(nn.Module):
         step, panels = lora.cpu_lora, self.panels
         if panels is not None and step is not None:
             x = x if x.stride(1) == 1 else x.contiguous()
+            (weights, scale), out = panels, sum(self.slice_sizes)
             args = self.pool, self.first_target, self.slice_sizes, self.unit
-            return step.linear(x, panels.panels, panels.out, self.bias, *args)  # [tokens, out]
+            return step.linear(x, weights, out, self.bias, *args, scale=scale)  # [tokens, out]
         y = self.base(x, self.bias)  # [tokens, out]
         return add_lora(y, x, lora, self.pool, self.unit, self.first_target, self.slice_sizes, self.split)
 

@@ -9,6 +9,7 @@ import torch
 from bench.random_adapter import write_random_adapter
 from inference_service.engine import Engine, EngineConfig, Request
 from inference_service.model.base_weight import Int8Weight
+from inference_service.model.lora_linear import LoRALinear
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
 from tests.fp32_agreement import assert_fp32_agrees
@@ -86,10 +87,13 @@ def test_a_mixed_batch_equals_peft_on_the_same_quantized_weights(
             model=str(default_model_dir), quantization=quantization, max_loras=3, kv_cache_tokens=4096
         )
     )
-    if quantization == "int8" and engine.runner.cpu_kernels.linear is not None:
-        # every int8 layer multiplies in the compiled kernel's panels: that path is what runs here
-        layers = [m for m in engine.runner.model.modules() if isinstance(m, Int8Weight)]
-        assert layers and all(m.linear is not None for m in layers)
+    kernels = engine.runner.cpu_kernels
+    if quantization == "int8" and kernels.linear is not None and kernels.lora is not None:
+        # every int8 layer multiplies in the compiled kernels' panels, with its adapters in the same
+        # call: that path is what runs here
+        layers = [m for m in engine.runner.model.modules() if isinstance(m, LoRALinear)]
+        assert layers and all(isinstance(m.base, Int8Weight) and m.base.linear is not None for m in layers)
+        assert all(m.panels is not None for m in layers)
     for name, folder in adapter_dirs.items():
         engine.add_adapter(name, folder)
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)

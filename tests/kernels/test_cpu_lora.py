@@ -11,6 +11,7 @@ import torch
 from inference_service.model.lora_linear import add_lora
 from kernels.cpu_linear import CpuLinear
 from kernels.cpu_lora import CpuLora
+from kernels.int8_linear import quantize_int8_rows
 from kernels.lora_batch import RUN_ROWS, LoraBatch
 from kernels.lora_bmm import lora_ref
 from tests.kernels.guard_pages import guarded, in_child
@@ -100,30 +101,54 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
 @pytest.mark.parametrize("slices", [1, 2, 3])
 @pytest.mark.parametrize("tokens", [1, 37, 75])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
-    kernel, target, spread, slices, tokens, bias, dtype
+    kernel, target, spread, slices, tokens, bias, weights
 ):
     """linear() gives, bit for bit, CpuLinear's y = x W^T + b with shrink_expand's products added
     (whose rounding the test above checks against PEFT's): outputs that are not a whole number of
     panels (40), a panel that straddles two slices (72, 24, 24), base-model tokens among the
-    adapters' (every third, where there are several), segments longer than a task."""
+    adapters' (every third, where there are several), segments longer than a task. int8 weights
+    (fp32 activations) with a scale per output: (x W^T) * scale + b."""
     linear, why = CpuLinear.load(target=target)
     assert linear is not None, why
+    dtype = torch.float32 if weights == torch.int8 else weights  # the activations'
     first_target, sizes = SLICES[slices]
     _, pool, _, table = case(spread, slices, 3 if tokens > 1 else 0, dtype, tokens, 40, sizes)
     generator = torch.Generator().manual_seed(tokens)
     weight = torch.randn(sum(sizes), 40, generator=generator).to(dtype)
     b = torch.randn(sum(sizes), generator=generator).to(dtype) if bias else None
     x = torch.randn(tokens, 40, generator=generator).to(dtype)
+    scale = None
+    if weights == torch.int8:
+        weight, scale = quantize_int8_rows(weight)
     if not linear.runs(weight):  # bf16 on a CPU without AVX512-BF16: its layers take oneDNN's
         pytest.skip(f"no {dtype} linear kernel in this build (no AVX512-BF16)")
     panels, step = linear.pack(weight), kernel.step(table)
     assert kernel.runs_linear(panels)
-    apart = step.shrink_expand(linear(x, panels, sum(sizes), b), x, pool, first_target, sizes, UNIT)
-    together = step.linear(x, panels, sum(sizes), b, pool, first_target, sizes, UNIT)
+    base = linear(x, panels, sum(sizes), b, scale)
+    apart = step.shrink_expand(base, x, pool, first_target, sizes, UNIT)
+    together = step.linear(x, panels, sum(sizes), b, pool, first_target, sizes, UNIT, scale=scale)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert together.shape == apart.shape and torch.equal(together.view(bits), apart.view(bits))
+
+
+def test_int8_layers_of_one_shape_each_take_their_own_scales(kernel, target):
+    """A step builds one call for every layer of a shape; an int8 layer's scales are its own
+    call's, not those of the first layer that shaped it (twice the weights: twice the scales)."""
+    linear, why = CpuLinear.load(target=target)
+    assert linear is not None, why
+    first_target, sizes = SLICES[3]
+    _, pool, _, table = case("uniform", 3, 0, torch.float32, 8, 40, sizes)
+    step, generator = kernel.step(table), torch.Generator().manual_seed(7)
+    x, weight = torch.randn(8, 40, generator=generator), torch.randn(sum(sizes), 40, generator=generator)
+    for times in (1, 2):
+        q, scale = quantize_int8_rows(times * weight)
+        panels = linear.pack(q)
+        base = linear(x, panels, sum(sizes), None, scale)
+        apart = step.shrink_expand(base, x, pool, first_target, sizes, UNIT)
+        together = step.linear(x, panels, sum(sizes), None, pool, first_target, sizes, UNIT, scale=scale)
+        assert torch.equal(together.view(torch.int32), apart.view(torch.int32))
 
 
 def test_a_steps_layer_calls_are_shaped_by_their_rows_and_bias(kernel, target):
