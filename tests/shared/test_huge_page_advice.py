@@ -16,16 +16,9 @@ from shared.huge_page_advice import ENV, advised
 ALLOCATE = """
 import inference_service.__main__  # the worker's entry: applies the advice before torch loads
 import torch
-from pathlib import Path
+from tests.inference_service.engine.test_huge_pages import mapping_entry
 zeros = torch.zeros(16 << 20)
-address, inside = zeros.data_ptr() + zeros.nbytes // 2, False
-for line in Path("/proc/self/smaps").read_text().splitlines():
-    fields = line.split()
-    if "-" in fields[0] and not fields[0].endswith(":"):
-        start, end = (int(part, 16) for part in fields[0].split("-"))
-        inside = start <= address < end
-    elif inside and fields[0] == "VmFlags:":
-        print(" ".join(fields[1:]))
+print(" ".join(mapping_entry(zeros.data_ptr() + zeros.nbytes // 2, "VmFlags:")))
 """
 
 

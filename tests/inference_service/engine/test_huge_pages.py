@@ -17,17 +17,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def huge_bytes_at(address: int) -> int:
-    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+def mapping_entry(address: int, key: str) -> list[str]:
+    """The values of `key` ("AnonHugePages:", "VmFlags:") for the mapping holding `address`, from
+    /proc/self/smaps."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and not fields[0].endswith(":"):
             start, end = (int(part, 16) for part in fields[0].split("-"))
             inside = start <= address < end
-        elif inside and fields[0] == "AnonHugePages:":
-            return int(fields[1]) * 1024
+        elif inside and fields[0] == key:
+            return fields[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping holding `address`."""
+    return int(mapping_entry(address, "AnonHugePages:")[0]) * 1024
 
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
