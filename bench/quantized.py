@@ -1,10 +1,10 @@
 """What quantized base weights cost or save in speed on the CPU, beside what they save in memory:
 decode steps of the default model, 32 sequences over 8 distinct random rank-16 all-linear
-adapters, with the linear layers dense (fp32), int8 weight-only and NF4. int8 weights take the
-compiled linear kernel (kernels/cpu_linear.cpp), widened to fp32 as its tiles read them, so a step
-reads a quarter of fp32's weight bytes; NF4 dequantizes its weights at every step before a plain
-fp32 matmul, so it is slower. The variants step in turn, the order rotating (as
-bench.rank_padding); medians of per-round ratios.
+adapters, with the linear layers dense (fp32), int8 weight-only and NF4. Quantized weights take
+the compiled linear kernel (kernels/cpu_linear.cpp), int8 widened to fp32 and NF4 codes looked up
+and scaled as its tiles read them, so a step reads a quarter (int8) or about a seventh (NF4) of
+fp32's weight bytes. The variants step in turn, the order rotating (as bench.rank_padding);
+medians of per-round ratios.
 
     .venv/bin/python -m bench.quantized [--repeats 3] [--steps 20]
 """
@@ -85,9 +85,9 @@ def setup(repeats: int, steps: int) -> str:
         f"orders a batch), the linear layers' base weights dense, int8 weight-only or NF4 (quantized "
         f"as they load). The variants take one step each in turn, the order rotating, after "
         f"{WARMUP_STEPS} dropped steps each; medians of {repeats} rounds of {steps} steps per variant, "
-        f"ratios the medians of per-round ratios. int8 weights take the compiled linear kernel "
-        f"(widened to fp32 as they are read: a quarter of fp32's bytes a step); NF4 dequantizes its "
-        f"weights at every step before a plain fp32 matmul"
+        f"ratios the medians of per-round ratios. Quantized weights take the compiled linear kernel "
+        f"(int8 widened to fp32, NF4 codes looked up and scaled, as they are read: a quarter and about "
+        f"a seventh of fp32's bytes a step)"
     )
 
 

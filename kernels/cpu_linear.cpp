@@ -1,4 +1,4 @@
-// y = x W^T + b on the CPU for fp32, bf16 and int8 weights (fp32 rows for int8); built, loaded
+// y = x W^T + b on the CPU for fp32, bf16, int8 and NF4 weights (fp32 rows for the last two); built, loaded
 // and documented by kernels/cpu_linear.py, over the panels of kernels/cpu_panels.h.
 #include "cpu_panels.h"
 
@@ -23,6 +23,10 @@ extern "C" void linear_float32(const Linear* s, const float* x, const float* w, 
 
 extern "C" void linear_int8(const Linear* s, const float* x, const int8_t* w, const float* bias, float* y) {
     linear<Int8>(s, x, w, bias, y);
+}
+
+extern "C" void linear_nf4(const Linear* s, const float* x, const uint8_t* w, const float* bias, float* y) {
+    linear<Nf4>(s, x, w, bias, y);
 }
 
 #ifdef __AVX512BF16__

@@ -12,7 +12,10 @@ bf16 weights, on CPUs with AVX512-BF16, take the same tiles with bf16 pair produ
 oneDNN's instruction too), summed in fp32 over all inputs and rounded once. int8 weights with a
 scale per output (torchao's weight-only int8, kernels/int8_linear.py) multiply fp32 rows in the
 same tiles, each weight widened to fp32 as it is read (where torch casts the whole weight at every
-call, 4 times its bytes, before its matmul), summed as fp32's are, then scaled. The C++ source is
+call, 4 times its bytes, before its matmul), summed as fp32's are, then scaled. NF4 weights
+(kernels/nf4_linear.py) multiply fp32 rows in them too, each code looked up and scaled by its
+block's absmax as it is read (where torch's path dequantizes the whole weight at every call, 8
+times its bytes), bit for bit the fp32 tiles on dequantize_nf4's weights. The C++ source is
 compiled once per machine (kernels/cpu_library.py); where it cannot be, `CpuLinear.load` says why
 and returns None, and the weights take oneDNN's matmuls.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_library import CompiledKernel, taking_pointers
+from kernels.nf4_linear import BLOCK as NF4_BLOCK
 
 # Inputs an output sums in registers before the sum is added to the output: MKL's sgemm errs about
 # as far at 576 and 1,536 inputs (measured on a 2-core AMD EPYC), smaller blocks err less.
@@ -42,7 +46,11 @@ class CpuLinear(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        functions = {torch.float32: library.linear_float32, torch.int8: library.linear_int8}
+        functions = {
+            torch.float32: library.linear_float32,
+            torch.int8: library.linear_int8,
+            torch.uint8: library.linear_nf4,  # NF4 codes
+        }
         if hasattr(library, "linear_bfloat16"):  # built where the CPU has AVX512-BF16
             functions[torch.bfloat16] = library.linear_bfloat16
         # by the weights' dtype: the shape's, x's, the panels', the bias', y's
@@ -53,9 +61,34 @@ class CpuLinear(CompiledKernel):
     def runs(self, weight: torch.Tensor) -> bool:
         """Whether this kernel multiplies by `weight` [out, in]: fp32, int8 (fp32 rows, a scale
         per output), or bf16 with an even number of inputs where the CPU has AVX512-BF16."""
-        if weight.device.type != "cpu" or weight.dtype not in self._functions:
+        if weight.device.type != "cpu" or weight.dtype not in self._functions or weight.dtype == torch.uint8:
             return False
         return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
+
+    def runs_nf4(self, codes: torch.Tensor, in_features: int) -> bool:
+        """Whether this kernel multiplies by NF4 weights of these codes (nf4_linear's packed, on
+        the CPU) and rows of in_features inputs: each block of 64 within one output's inputs."""
+        return codes.device.type == "cpu" and in_features % NF4_BLOCK == 0
+
+    def pack_nf4(
+        self, codes: torch.Tensor, absmax: torch.Tensor, out: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """NF4 weights [out, in] (nf4_linear's packed [out * in / 2] uint8, absmax [out * in / 64]
+        fp32, where runs_nf4) -> panels [ceil(out / columns), in / 2, columns] uint8, byte c of
+        panel p's row j holding output p * columns + c's codes of inputs 2j (low nibble) and 2j + 1
+        (high), and their absmax [ceil(out / columns), in / 64, columns]; outputs past `out`: code
+        0, absmax 0."""
+        inputs = codes.numel() * 2 // out
+        assert self.runs_nf4(codes, inputs) and absmax.numel() * NF4_BLOCK == out * inputs
+        panels = -(-out // self.columns)
+        padded = codes.new_zeros(panels * self.columns, inputs)  # [panels * columns, in] one code each
+        padded[:out, 0::2], padded[:out, 1::2] = codes.view(out, -1) >> 4, codes.view(out, -1) & 15
+        pairs = padded.view(panels, self.columns, inputs // 2, 2).permute(0, 2, 3, 1)  # [p, in/2, 2, columns]
+        packed = (pairs[:, :, 0] | pairs[:, :, 1] << 4).contiguous()  # [p, in / 2, columns]
+        scales = absmax.new_zeros(panels * self.columns, inputs // NF4_BLOCK)  # [panels * columns, in / 64]
+        scales[:out] = absmax.view(out, -1)
+        blocks = scales.view(panels, self.columns, -1).transpose(1, 2).contiguous()  # [p, in / 64, columns]
+        return packed, blocks
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] where runs() -> panels [ceil(out / columns), in, columns]: panel p holds
@@ -82,7 +115,9 @@ class CpuLinear(CompiledKernel):
         in] and bias [out] or None, all of W's dtype. fp32 sums each output's products SUM_BLOCK
         inputs at a time and adds each block's sum to the bias and the blocks before it; bf16 sums
         them all in fp32, adds the bias and rounds once. With scale [out] fp32, W is int8 and x
-        fp32: y = (x W^T) * scale + bias, the sums fp32's, each output's total scaled once."""
+        fp32: y = (x W^T) * scale + bias, the sums fp32's, each output's total scaled once. With
+        uint8 panels and their absmax as scale (pack_nf4's), W is NF4 and x fp32: y = x W^T + bias
+        summed as fp32's on W's dequantized values."""
         assert x.stride(1) == 1 and x.is_cpu and panels.dtype in self._functions
         shape = linear_shape(x, panels, out, bias, self.columns, scale)
         y = x.new_empty(x.shape[0], out)  # [tokens, out]
@@ -99,16 +134,19 @@ def linear_shape(
     columns: int,
     scale: torch.Tensor | None = None,
 ) -> LinearShape:
-    """The kernel's shape of y [tokens, out] = x W^T + b, once panels (pack()'s, of panels of
-    `columns` outputs), the bias and the int8 weights' scales are checked as the kernel reads
-    them: of x's dtype (int8 panels and fp32 scales with fp32 x), laid out one after another."""
+    """The kernel's shape of y [tokens, out] = x W^T + b, once panels (pack()'s or pack_nf4's,
+    of panels of `columns` outputs), the bias and the int8 weights' scales or NF4's absmax are
+    checked as the kernel reads them: of x's dtype (int8 or NF4 panels and fp32 scales with fp32
+    x), laid out one after another."""
     (tokens, inputs), count = x.shape, -(-out // columns)
-    assert panels.shape == (count, inputs, columns) and panels.is_contiguous()
+    nf4 = panels.dtype == torch.uint8
+    assert panels.shape == (count, inputs // 2 if nf4 else inputs, columns) and panels.is_contiguous()
     if scale is None:
         assert panels.dtype == x.dtype
     else:
-        assert panels.dtype == torch.int8 and x.dtype == scale.dtype == torch.float32
-        assert scale.shape == (out,) and scale.is_contiguous()
+        assert panels.dtype in (torch.int8, torch.uint8) and x.dtype == scale.dtype == torch.float32
+        assert scale.is_contiguous()
+        assert scale.shape == ((count, inputs // NF4_BLOCK, columns) if nf4 else (out,))
     assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())
     pointer = None if scale is None else scale.data_ptr()
     return LinearShape(tokens, out, inputs, x.stride(0), out, count, SUM_BLOCK, pointer)

@@ -4,8 +4,8 @@
 // LoRA token's fp32 sums A x, expand adds B times them (rounded to the pool's dtype first, as PEFT's
 // lora_A output is) into y. Products and sums are fp32 whatever the dtype; bf16 shrinks and expands,
 // on CPUs with AVX512-BF16, multiply in pairs (vdpbf16ps: exact products, a subnormal read as zero).
-// lora_linear runs a layer's base matmul (kernels/cpu_panels.h; fp32, bf16 or int8 weights) and its
-// adapters in one call.
+// lora_linear runs a layer's base matmul (kernels/cpu_panels.h; fp32, bf16, int8 or NF4 weights) and
+// its adapters in one call.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -473,12 +473,20 @@ extern "C" void lora_linear_float32(const Linear* s, const Lora* a, const float*
     lora_linear<Fp32>(*s, *a, x, w, bias, pool, y);
 }
 
-// int8 weights: the scales are the call's own (a step's shape serves every layer of its shape).
+// int8 and NF4 weights: the scales (absmax) are the call's own (a step's shape serves every layer of
+// its shape).
 extern "C" void lora_linear_int8(const Linear* s, const Lora* a, const float* x, const int8_t* w, const float* bias,
                                  const float* pool, float* y, const float* scale) {
     Linear scaled = *s;
     scaled.scale = scale;
     lora_linear<Int8>(scaled, *a, x, w, bias, pool, y);
+}
+
+extern "C" void lora_linear_nf4(const Linear* s, const Lora* a, const float* x, const uint8_t* w, const float* bias,
+                                const float* pool, float* y, const float* absmax) {
+    Linear scaled = *s;
+    scaled.scale = absmax;
+    lora_linear<Nf4>(scaled, *a, x, w, bias, pool, y);
 }
 
 #ifdef __AVX512BF16__

@@ -53,14 +53,16 @@ class CpuLora(CompiledKernel):
         names = {dtype: f"lora_linear_{DTYPE_NAMES[dtype]}" for dtype in (torch.float32, torch.bfloat16)}
         linear = {dtype: getattr(library, name) for dtype, name in names.items() if hasattr(library, name)}
         # by the weights' dtype (bf16 where the CPU has AVX512-BF16): the shapes' pointers, then
-        # x's, the panels', the bias', the pool's and y's; int8 weights (fp32 x) then their scales'
-        linear = taking_pointers(linear, 7) | taking_pointers({torch.int8: library.lora_linear_int8}, 8)
+        # x's, the panels', the bias', the pool's and y's; int8 and NF4 weights (fp32 x) then their
+        # scales' (absmax's)
+        scaled = {torch.int8: library.lora_linear_int8, torch.uint8: library.lora_linear_nf4}
+        linear = taking_pointers(linear, 7) | taking_pointers(scaled, 8)
         self.functions.update({("linear", dtype): function for dtype, function in linear.items()})
         library.lora_panel_columns.restype = ctypes.c_int64
         self.columns = library.lora_panel_columns()  # the outputs a panel of W holds (CpuLinear's)
 
     def runs_linear(self, panels: torch.Tensor) -> bool:
-        """Whether CpuLoraStep.linear multiplies by these panels (CpuLinear.pack's)."""
+        """Whether CpuLoraStep.linear multiplies by these panels (CpuLinear.pack's or pack_nf4's)."""
         return ("linear", panels.dtype) in self.functions and panels.shape[2] == self.columns
 
     def step(self, table: SegmentTable) -> "CpuLoraStep":
@@ -157,7 +159,8 @@ class CpuLoraStep:
         for bit: y [tokens, out] = x W^T + b (int8 W: (x W^T) * scale + b), then each slice's
         adapter products added (where CpuLora.runs_linear).
         x [tokens, in] rows contiguous; panels [ceil(out / columns), in, columns], of x's dtype, or
-        int8 with fp32 x and scale [out]."""
+        int8 with fp32 x and scale [out], or NF4 codes (CpuLinear.pack_nf4's, uint8) with fp32 x
+        and their absmax as scale."""
         tokens, inputs = x.shape
         key = (
             "linear", first_target, slice_sizes, inputs, unit, x.stride(), (out, 1), 1, x.dtype,

@@ -9,10 +9,12 @@
 // L1, at 512 rows, took 1.04x as long: each block's sums went through y). fp32 sums blocks of
 // s.block inputs; bf16 sums all inputs in one block and rounds once. int8 weights (one scale per
 // output) multiply fp32 rows as fp32 ones do, each vector of them widened as it is read; the
-// totals are scaled, then the bias added, as they are stored.
+// totals are scaled, then the bias added, as they are stored. NF4 weights (4-bit codes, an absmax
+// per output and 64 inputs) are looked up and scaled as they are read, then multiply as fp32 ones.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_vec.h"
 #ifdef __AVX512BF16__
@@ -22,7 +24,7 @@
 
 struct Linear {
     int64_t rows, out, inputs, x_stride, y_stride, panels, block;
-    const float* scale;  // [out]: int8 weights' scales; null for others
+    const float* scale;  // int8: [out], each output's scale; NF4: [panels][inputs / 64][kCols], absmax
 };
 
 // The accumulators are the ISA's own vectors, so that a tile's stay in registers.
@@ -60,14 +62,17 @@ inline Vec sixteen(const Lanes* acc, int64_t c) {
 }
 
 // x times the panel's weights for one step of inputs: one fp32 input, or a pair of bf16 ones.
-// T: x's, y's and the bias' type; W: the weights'; kScaled: whether each output's total is
-// multiplied by its scale (then the bias is added after, not summed from the start).
+// T: x's, y's and the bias' type; W: the weights'; kBits: a weight's bits; kScaled: whether each
+// output's total is multiplied by its scale (then the bias is added after, not summed from the
+// start). weights(): a step's weights as madd() takes them (its own, or what they were looked up as),
+// read once for every row of a tile.
 struct Fp32 {
     using T = float;
     using W = float;
-    static constexpr int64_t kStep = 1;
+    static constexpr int64_t kStep = 1, kBits = 32;
     static constexpr bool kScaled = false;
     static int64_t block(const Linear& s) { return s.block; }
+    static const float* weights(const float* w, const float*, int64_t) { return w; }
     static void madd(Lanes* acc, const float* x, const float* w) {
         for (int v = 0; v < kPanelVecs; ++v) acc[v] += *x * load_as<Lanes>(w + v * kLanes);
     }
@@ -77,9 +82,10 @@ struct Fp32 {
 struct Bf16 {
     using T = uint16_t;
     using W = uint16_t;
-    static constexpr int64_t kStep = 2;
+    static constexpr int64_t kStep = 2, kBits = 16;
     static constexpr bool kScaled = false;
     static int64_t block(const Linear& s) { return s.inputs; }  // bf16 outputs are rounded once
+    static const uint16_t* weights(const uint16_t* w, const float*, int64_t) { return w; }
     static void madd(Lanes* acc, const uint16_t* x, const uint16_t* w) {
         const __m512bh pair = (__m512bh)_mm512_set1_epi32(load_as<int32_t>(x));
         for (int v = 0; v < kPanelVecs; ++v) {
@@ -94,9 +100,10 @@ struct Bf16 {
 struct Int8 {
     using T = float;
     using W = int8_t;
-    static constexpr int64_t kStep = 1;
+    static constexpr int64_t kStep = 1, kBits = 8;
     static constexpr bool kScaled = true;
     static int64_t block(const Linear& s) { return s.block; }
+    static const int8_t* weights(const int8_t* w, const float*, int64_t) { return w; }
     static Lanes widened(const int8_t* w) {
 #ifdef __AVX512F__
         return (Lanes)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_as<__m128i>(w)));
@@ -107,6 +114,57 @@ struct Int8 {
     }
     static void madd(Lanes* acc, const float* x, const int8_t* w) {
         for (int v = 0; v < kPanelVecs; ++v) acc[v] += *x * widened(w + v * kLanes);
+    }
+};
+
+// fp32 rows times NF4 weights (bitsandbytes' 4-bit NormalFloat, kernels/nf4_linear.py): a weight is
+// its code's value times the absmax of its output's block of 64 inputs, an fp32 product, as
+// dequantize_nf4 gives it; then it multiplies and sums as Fp32's do (bit for bit, on those weights).
+// A step is two inputs: byte c of it holds output c's code of the first in its low nibble, of the
+// second in its high one.
+struct Nf4 {
+    using T = float;
+    using W = uint8_t;
+    static constexpr int64_t kStep = 2, kBits = 4, kBlock = 64;
+    static constexpr bool kScaled = false;
+    // kernels/nf4_linear.py's NF4_CODE
+    static constexpr float kCode[16] = {
+        -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+        -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+        0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+        0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
+    };
+    struct Step {
+        Lanes first[kPanelVecs], second[kPanelVecs];  // the two inputs' weights
+    };
+    static int64_t block(const Linear& s) { return s.block; }
+    // w: the step's codes; absmax: the panel's [inputs / 64][kCols]; k: the step's first input
+    static Step weights(const uint8_t* w, const float* absmax, int64_t k) {
+        const float* scale = absmax + k / kBlock * kCols;
+        Step step;
+        for (int v = 0; v < kPanelVecs; ++v) {
+            const Lanes s = load_as<Lanes>(scale + v * kLanes);
+            Lanes first, second;
+            values(w + v * kLanes, first, second);
+            step.first[v] = first * s;
+            step.second[v] = second * s;
+        }
+        return step;
+    }
+    static void madd(Lanes* acc, const float* x, const Step& w) {
+        for (int v = 0; v < kPanelVecs; ++v) acc[v] += x[0] * w.first[v];
+        for (int v = 0; v < kPanelVecs; ++v) acc[v] += x[1] * w.second[v];
+    }
+    // The code values of kLanes bytes' low and high nibbles.
+    static void values(const uint8_t* bytes, Lanes& low, Lanes& high) {
+#ifdef __AVX512F__
+        const __m512 code = _mm512_loadu_ps(kCode);
+        const __m512i b = _mm512_cvtepu8_epi32(load_as<__m128i>(bytes));
+        low = (Lanes)_mm512_permutexvar_ps(b, code);  // the index's low 4 bits
+        high = (Lanes)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), code);
+#else
+        for (int l = 0; l < kLanes; ++l) low[l] = kCode[bytes[l] & 15], high[l] = kCode[bytes[l] >> 4];
+#endif
     }
 };
 
@@ -121,8 +179,10 @@ void panel_lanes(const T* from, int64_t cols, Lanes* lanes) {  // lanes [kPanelV
 
 // What a tile's totals start from and end with, for one panel: they start from its biases (or
 // zeros) and are stored as they are; scaled kinds start from zeros and store totals * scale + bias.
+// NF4 panels: their absmax, which the weights are looked up with.
 struct Ends {
     Lanes start[kPanelVecs], scale[kPanelVecs], bias[kPanelVecs];
+    const float* absmax;  // [inputs / 64][kCols]
 };
 
 template <typename Kind, typename T = typename Kind::T>
@@ -134,6 +194,7 @@ Ends panel_ends(const Linear& s, const T* bias, int64_t p, int64_t cols) {
         panel_lanes(s.scale + p * kCols, cols, ends.scale);
         panel_lanes(panel_bias, cols, ends.bias);
     }
+    if constexpr (std::is_same_v<Kind, Nf4>) ends.absmax = s.scale + p * (s.inputs / Nf4::kBlock) * kCols;
     return ends;
 }
 
@@ -160,7 +221,7 @@ void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], const En
 // lines: the call's other bytes, stepped once per step of inputs.
 template <typename Kind, int R, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
 void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64_t cols, bool ask, Lines& lines) {
-    constexpr int64_t step_bytes = Kind::kStep * kCols * sizeof(W);  // the weights of one step
+    constexpr int64_t step_bytes = Kind::kStep * kCols * Kind::kBits / 8;  // the weights of one step
     const int64_t block = Kind::block(s);
     Lanes total[R][kPanelVecs];
     for (int r = 0; r < R; ++r) std::copy(ends.start, ends.start + kPanelVecs, total[r]);
@@ -168,13 +229,14 @@ void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64
         const int64_t stop = std::min(k0 + block, s.inputs);
         Lanes acc[R][kPanelVecs] = {};
         for (int64_t k = k0; k < stop; k += Kind::kStep) {
-            const W* wk = w + k * kCols;
+            const W* wk = w + k * kCols * Kind::kBits / (8 * sizeof(W));
             if (R > 1 && ask) {
                 const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
                 for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
             }
             lines.step();
-            for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, wk);
+            const auto weights = Kind::weights(wk, ends.absmax, k);
+            for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, weights);
         }
         for (int r = 0; r < R; ++r) {
             for (int v = 0; v < kPanelVecs; ++v) total[r][v] += acc[r][v];
@@ -194,7 +256,7 @@ int64_t panel_steps(const Linear& s) {
 template <typename Kind, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
 void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p, Lines& lines) {
     const int64_t cols = std::min(kCols, s.out - p * kCols);
-    w += p * s.inputs * kCols;
+    w += p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
     y += p * kCols;
     const Ends ends = panel_ends<Kind>(s, bias, p, cols);
     int64_t m = 0;

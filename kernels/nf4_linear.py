@@ -1,7 +1,9 @@
 """nf4_linear: a linear layer whose weight is 4-bit NormalFloat (QLoRA's NF4, as bitsandbytes
 stores it): the flattened weight in blocks of 64, each an fp32 absmax times 16 code values,
 two codes a byte (the first in the high nibble). The weight is dequantized and multiplied in the
-activations' dtype, as bitsandbytes' CPU path does."""
+activations' dtype, as bitsandbytes' CPU path does. On a CPU with fp32 activations the compiled
+linear kernel takes the codes instead (kernels/cpu_linear.py's pack_nf4): it looks each one up as
+its tiles read it, giving the same weights, and never writes the dequantized weight."""
 
 import torch
 import torch.nn.functional as F

@@ -83,7 +83,8 @@ class Int8Weight(nn.Module):
 class Nf4Weight(nn.Module):
     """bitsandbytes' NF4 (without double quantization: the absmax stays fp32). Each slice is
     quantized alone, as the reference's separate layers are, so its blocks must not straddle the
-    next slice: every slice's size times in_features is a multiple of 64."""
+    next slice: every slice's size times in_features is a multiple of 64. On a CPU, fp32
+    activations multiply the codes in kernels/cpu_linear.py's panels once pack() ran."""
 
     def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
         super().__init__()
@@ -97,6 +98,8 @@ class Nf4Weight(nn.Module):
         n = out_features * in_features
         self.register_buffer("packed", torch.zeros(n // 2, dtype=torch.uint8, device=device))
         self.register_buffer("absmax", torch.zeros(n // BLOCK, dtype=torch.float32, device=device))
+        self.dtype = dtype  # the activations'
+        self.linear: CpuLinear | None = None  # multiplies the codes, in its panels, once pack() ran
 
     def load_rows(self, offset: int, rows: torch.Tensor) -> None:
         self.load_quantized(offset, *quantize_nf4(rows.to(self.packed.device)))
@@ -107,7 +110,20 @@ class Nf4Weight(nn.Module):
         self.packed[start // 2 : start // 2 + packed.numel()] = packed
         self.absmax[start // BLOCK : start // BLOCK + absmax.numel()] = absmax
 
+    def pack(self, linear: CpuLinear | None) -> None:
+        """Once loaded, on a CPU with fp32 activations: the codes and absmax laid out in
+        `linear`'s panels, each weight looked up as the kernel reads it (torch's path dequantizes
+        the whole weight at every call)."""
+        if self.dtype != torch.float32 or linear is None:
+            return
+        if linear.runs_nf4(self.packed, self.in_features):
+            self.packed, self.absmax = linear.pack_nf4(self.packed, self.absmax, self.out_features)
+            self.linear = linear
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.linear is not None:
+            x = x if x.stride(1) == 1 else x.contiguous()
+            return self.linear(x, self.packed, self.out_features, bias, self.absmax)  # [tokens, out]
         if x.is_cuda:  # one launch, dequantizing each weight tile as it loads
             return nf4_linear_triton(x, self.packed, self.absmax, self.out_features, bias)  # [tokens, out]
         return nf4_linear(x, self.packed, self.absmax, self.out_features, bias)  # [tokens, out]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_service.model.base_weight import DenseWeight, Int8Weight, base_weight
+from inference_service.model.base_weight import DenseWeight, Int8Weight, Nf4Weight, base_weight
 from inference_service.model.collectives import Collectives
 from inference_service.model.packed_weight import PanelWeight
 from kernels.cpu_linear import CpuLinear
@@ -100,18 +100,21 @@ class LoRALinear(nn.Module):
         self.slice_sizes = slice_sizes
         self.slices = _slice_offsets(slice_sizes)  # (offset, size) of each slice in `out`
         self.pool, self.unit, self.first_target = memory  # the pool is the model's: not a buffer here
-        # the base weight, where the LoRA kernels multiply by it: (panels, int8 scales or None)
+        # the base weight, where the LoRA kernels multiply by it: (panels, int8 scales, NF4 absmax or None)
         self.panels: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def pack(self, linear: CpuLinear | None, lora: CpuLora | None = None) -> None:
-        """Once loaded, on a CPU: a dense or int8 base weight laid out for its matmuls
-        (DenseWeight.pack, Int8Weight.pack). Where that is `linear`'s panels, `lora` runs them, and
+        """Once loaded, on a CPU: the base weight laid out for its matmuls (DenseWeight.pack,
+        Int8Weight.pack, Nf4Weight.pack). Where that is `linear`'s panels, `lora` runs them, and
         the adapters are not split across ranks, a step's compiled LoRA kernels run the base matmul
         and the adapters in one call."""
         panels = None
         if isinstance(self.base, Int8Weight):
             self.base.pack(linear)
             panels = (self.base.q, self.base.scale) if self.base.linear is not None else None
+        if isinstance(self.base, Nf4Weight):
+            self.base.pack(linear)
+            panels = (self.base.packed, self.base.absmax) if self.base.linear is not None else None
         if isinstance(self.base, DenseWeight):
             self.base.pack(linear)
             packed = self.base.packed

@@ -8,7 +8,7 @@ import torch
 
 from bench.random_adapter import write_random_adapter
 from inference_service.engine import Engine, EngineConfig, Request
-from inference_service.model.base_weight import Int8Weight
+from inference_service.model.base_weight import Int8Weight, Nf4Weight
 from inference_service.model.lora_linear import LoRALinear
 from inference_service.sampling import SamplingParams
 from shared.model_config import ModelConfig
@@ -88,11 +88,12 @@ def test_a_mixed_batch_equals_peft_on_the_same_quantized_weights(
         )
     )
     kernels = engine.runner.cpu_kernels
-    if quantization == "int8" and kernels.linear is not None and kernels.lora is not None:
-        # every int8 layer multiplies in the compiled kernels' panels, with its adapters in the same
-        # call: that path is what runs here
+    if kernels.linear is not None and kernels.lora is not None:
+        # every quantized layer multiplies in the compiled kernels' panels, with its adapters in the
+        # same call: that path is what runs here
+        kind = {"int8": Int8Weight, "nf4": Nf4Weight}[quantization]
         layers = [m for m in engine.runner.model.modules() if isinstance(m, LoRALinear)]
-        assert layers and all(isinstance(m.base, Int8Weight) and m.base.linear is not None for m in layers)
+        assert layers and all(isinstance(m.base, kind) and m.base.linear is not None for m in layers)
         assert all(m.panels is not None for m in layers)
     for name, folder in adapter_dirs.items():
         engine.add_adapter(name, folder)

@@ -1,8 +1,10 @@
 """The CPU's linear kernel against F.linear in float64, within the bound of the sums it makes
 (fp32 and int8 weights: blocked; bf16: one fp32 sum rounded once): every row tile (8 rows, and 1
 to 7 left), input blocks whole and cut short, panels whole and the last one partial, with and
-without bias, x read at its row stride. That fp32 sums in blocks (and not in one pass) is
-asserted in tests/inference_service/model/test_packed_weight.py."""
+without bias, x read at its row stride. NF4 weights against the fp32 tiles on their dequantized
+values (which bitsandbytes' are checked against in test_nf4_linear.py), bit for bit. That fp32
+sums in blocks (and not in one pass) is asserted in
+tests/inference_service/model/test_packed_weight.py."""
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_linear import SUM_BLOCK, CpuLinear
 from kernels.int8_linear import quantize_int8_rows
+from kernels.nf4_linear import dequantize_nf4, quantize_nf4
 from tests.kernels.rounding import assert_within, cast_error, gamma
 
 FP32 = 2.0**-24
@@ -138,3 +141,35 @@ def test_int8_weights_are_packed_as_fp32_ones_and_need_their_scales(kernel):
         kernel(x, panels, 100, None)  # without its scales
     with pytest.raises(AssertionError):
         kernel(x.bfloat16(), panels, 100, None, scale)  # int8 weights take fp32 rows
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77])
+@pytest.mark.parametrize("inputs", [64, SUM_BLOCK, SUM_BLOCK + 64, 1536])
+@pytest.mark.parametrize("out", [48, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_nf4_weights_are_the_fp32_tiles_on_their_dequantized_values(kernel, tokens, inputs, out, bias):
+    """Each code looked up and times its block's absmax as dequantize_nf4 computes it, then summed
+    as fp32 weights are: the same bits as the fp32 kernel on the dequantized weight."""
+    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out)
+    codes, absmax = quantize_nf4(weight)
+    panels, blocks = kernel.pack_nf4(codes, absmax, out)
+    assert panels.dtype == torch.uint8
+    assert panels.shape == (-(-out // kernel.columns), inputs // 2, kernel.columns)
+    y = kernel(x, panels, out, b, blocks)
+    dequantized = dequantize_nf4(codes, absmax, (out, inputs), torch.float32)
+    expected = kernel(x, kernel.pack(dequantized), out, b)
+    assert y.shape == (tokens, out) and torch.equal(y.view(torch.int32), expected.view(torch.int32))
+
+
+def test_nf4_panels_need_their_absmax_fp32_rows_and_whole_blocks_of_inputs(kernel):
+    x, weight, _ = _case(4, 128, 100, False, 6)
+    codes, absmax = quantize_nf4(weight)
+    panels, blocks = kernel.pack_nf4(codes, absmax, 100)
+    with pytest.raises(AssertionError):
+        kernel(x, panels, 100, None)  # without its absmax
+    with pytest.raises(AssertionError):
+        kernel(x, panels, 100, None, absmax)  # absmax not laid out in panels
+    with pytest.raises(AssertionError):
+        kernel(x.bfloat16(), panels, 100, None, blocks)  # NF4 weights take fp32 rows
+    assert kernel.runs_nf4(codes, 128) and not kernel.runs_nf4(codes, 96)  # blocks would straddle rows
+    assert not kernel.runs(codes)  # codes are not a dense uint8 weight

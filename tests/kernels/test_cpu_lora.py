@@ -14,6 +14,7 @@ from kernels.cpu_lora import CpuLora
 from kernels.int8_linear import quantize_int8_rows
 from kernels.lora_batch import RUN_ROWS, LoraBatch
 from kernels.lora_bmm import lora_ref
+from kernels.nf4_linear import quantize_nf4
 from tests.kernels.guard_pages import guarded, in_child
 from tests.kernels.lora_checks import (
     DTYPES,
@@ -101,7 +102,9 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
 @pytest.mark.parametrize("slices", [1, 2, 3])
 @pytest.mark.parametrize("tokens", [1, 37, 75])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize(
+    "weights", [torch.float32, torch.bfloat16, torch.int8, pytest.param(torch.uint8, id="nf4")], ids=str
+)
 def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
     kernel, target, spread, slices, tokens, bias, weights
 ):
@@ -109,22 +112,25 @@ def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
     (whose rounding the test above checks against PEFT's): outputs that are not a whole number of
     panels (40), a panel that straddles two slices (72, 24, 24), base-model tokens among the
     adapters' (every third, where there are several), segments longer than a task. int8 weights
-    (fp32 activations) with a scale per output: (x W^T) * scale + b."""
+    (fp32 activations) with a scale per output: (x W^T) * scale + b; NF4 weights (fp32
+    activations, blocks of 64 inputs) with their absmax."""
     linear, why = CpuLinear.load(target=target)
     assert linear is not None, why
-    dtype = torch.float32 if weights == torch.int8 else weights  # the activations'
+    dtype = torch.float32 if weights in (torch.int8, torch.uint8) else weights  # the activations'
+    inputs = 64 if weights == torch.uint8 else 40
     first_target, sizes = SLICES[slices]
-    _, pool, _, table = case(spread, slices, 3 if tokens > 1 else 0, dtype, tokens, 40, sizes)
+    _, pool, _, table = case(spread, slices, 3 if tokens > 1 else 0, dtype, tokens, inputs, sizes)
     generator = torch.Generator().manual_seed(tokens)
-    weight = torch.randn(sum(sizes), 40, generator=generator).to(dtype)
+    weight = torch.randn(sum(sizes), inputs, generator=generator).to(dtype)
     b = torch.randn(sum(sizes), generator=generator).to(dtype) if bias else None
-    x = torch.randn(tokens, 40, generator=generator).to(dtype)
-    scale = None
-    if weights == torch.int8:
-        weight, scale = quantize_int8_rows(weight)
-    if not linear.runs(weight):  # bf16 on a CPU without AVX512-BF16: its layers take oneDNN's
+    x = torch.randn(tokens, inputs, generator=generator).to(dtype)
+    if weights in (torch.int8, torch.uint8):
+        panels, scale = _quantized_panels(linear, weight, weights)
+    elif not linear.runs(weight):  # bf16 on a CPU without AVX512-BF16: its layers take oneDNN's
         pytest.skip(f"no {dtype} linear kernel in this build (no AVX512-BF16)")
-    panels, step = linear.pack(weight), kernel.step(table)
+    else:
+        panels, scale = linear.pack(weight), None
+    step = kernel.step(table)
     assert kernel.runs_linear(panels)
     base = linear(x, panels, sum(sizes), b, scale)
     apart = step.shrink_expand(base, x, pool, first_target, sizes, UNIT)
@@ -133,18 +139,28 @@ def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
     assert together.shape == apart.shape and torch.equal(together.view(bits), apart.view(bits))
 
 
-def test_int8_layers_of_one_shape_each_take_their_own_scales(kernel, target):
-    """A step builds one call for every layer of a shape; an int8 layer's scales are its own
-    call's, not those of the first layer that shaped it (twice the weights: twice the scales)."""
+def _quantized_panels(linear: CpuLinear, weight: torch.Tensor, kind: torch.dtype) -> tuple:
+    """(panels, scales) of weight [out, in] quantized to int8 (a scale per output) or, for
+    torch.uint8, to NF4 (an absmax per 64 inputs)."""
+    if kind == torch.int8:
+        q, scale = quantize_int8_rows(weight)
+        return linear.pack(q), scale
+    return linear.pack_nf4(*quantize_nf4(weight), weight.shape[0])
+
+
+@pytest.mark.parametrize("kind", [torch.int8, pytest.param(torch.uint8, id="nf4")], ids=str)
+def test_quantized_layers_of_one_shape_each_take_their_own_scales(kernel, target, kind):
+    """A step builds one call for every layer of a shape; an int8 or NF4 layer's scales are its
+    own call's, not those of the first layer that shaped it (twice the weights: twice the
+    scales)."""
     linear, why = CpuLinear.load(target=target)
     assert linear is not None, why
     first_target, sizes = SLICES[3]
-    _, pool, _, table = case("uniform", 3, 0, torch.float32, 8, 40, sizes)
+    _, pool, _, table = case("uniform", 3, 0, torch.float32, 8, 64, sizes)
     step, generator = kernel.step(table), torch.Generator().manual_seed(7)
-    x, weight = torch.randn(8, 40, generator=generator), torch.randn(sum(sizes), 40, generator=generator)
+    x, weight = torch.randn(8, 64, generator=generator), torch.randn(sum(sizes), 64, generator=generator)
     for times in (1, 2):
-        q, scale = quantize_int8_rows(times * weight)
-        panels = linear.pack(q)
+        panels, scale = _quantized_panels(linear, times * weight, kind)
         base = linear(x, panels, sum(sizes), None, scale)
         apart = step.shrink_expand(base, x, pool, first_target, sizes, UNIT)
         together = step.linear(x, panels, sum(sizes), None, pool, first_target, sizes, UNIT, scale=scale)
