@@ -50,12 +50,14 @@ class CpuLora(CompiledKernel):
             for name in ("shrink", "expand", "shrink_expand")
             for dtype, function in dtype_functions(library, f"lora_{name}", 4).items()
         }
+        # by the weights' dtype (bf16 where the CPU has AVX512-BF16; NF4 missing from an earlier
+        # commit's build, as bench.cpu_lora --against makes one): the shapes' pointers, then x's, the
+        # panels', the bias', the pool's and y's; int8 and NF4 weights (fp32 x) then their scales'
+        # (absmax's)
         names = {dtype: f"lora_linear_{DTYPE_NAMES[dtype]}" for dtype in (torch.float32, torch.bfloat16)}
         linear = {dtype: getattr(library, name) for dtype, name in names.items() if hasattr(library, name)}
-        # by the weights' dtype (bf16 where the CPU has AVX512-BF16): the shapes' pointers, then
-        # x's, the panels', the bias', the pool's and y's; int8 and NF4 weights (fp32 x) then their
-        # scales' (absmax's)
-        scaled = {torch.int8: library.lora_linear_int8, torch.uint8: library.lora_linear_nf4}
+        names = {torch.int8: "lora_linear_int8", torch.uint8: "lora_linear_nf4"}
+        scaled = {dtype: getattr(library, name) for dtype, name in names.items() if hasattr(library, name)}
         linear = taking_pointers(linear, 7) | taking_pointers(scaled, 8)
         self.functions.update({("linear", dtype): function for dtype, function in linear.items()})
         library.lora_panel_columns.restype = ctypes.c_int64

@@ -228,8 +228,9 @@ void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64
     for (int64_t k0 = 0; k0 < s.inputs; k0 += block) {
         const int64_t stop = std::min(k0 + block, s.inputs);
         Lanes acc[R][kPanelVecs] = {};
-        for (int64_t k = k0; k < stop; k += Kind::kStep) {
-            const W* wk = w + k * kCols * Kind::kBits / (8 * sizeof(W));
+        const char* step = reinterpret_cast<const char*>(w) + k0 / Kind::kStep * step_bytes;
+        for (int64_t k = k0; k < stop; k += Kind::kStep, step += step_bytes) {
+            const W* wk = reinterpret_cast<const W*>(step);
             if (R > 1 && ask) {
                 const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
                 for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
