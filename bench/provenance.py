@@ -1,6 +1,7 @@
 """Where a benchmark's figures came from, recorded with every result: the code (git commit), the
-machine (CPU model and the instruction sets torch's CPU kernels choose between, cores, torch and
-its threads, Python) and the time. Figures from two runs compare only when these agree."""
+machine (CPU model, its family and model numbers, the instruction sets torch's CPU kernels choose
+between, cores, torch and its threads, Python) and the time. Figures from two runs compare only
+when these agree."""
 
 import os
 import platform
@@ -48,6 +49,8 @@ def machine() -> dict:
     return {
         "platform": platform.platform(),
         "cpu": cpu.get("model name") or platform.processor() or platform.machine(),
+        # a generation the name may not tell ("AMD EPYC": family 25 is Zen 3 and 4, 26 Zen 5)
+        "cpu_family": f"family {cpu['cpu family']} model {cpu['model']}" if "cpu family" in cpu else None,
         "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
         "cpu_count": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)),

@@ -43,13 +43,15 @@ def machine_line(machine: dict) -> str:
 
 
 def cpu(machine: dict) -> str:
-    """The CPU model, the flags it has, those it lacks: "<model> (avx2, avx512f, no amx_tile)"."""
+    """The CPU model (and its family and model numbers where recorded), the flags it has, those it
+    lacks: "<model>, family 26 model 2 (avx2, avx512f, no amx_tile)"."""
+    name = ", ".join(filter(None, (machine["cpu"], machine.get("cpu_family"))))
     flags = machine.get("cpu_flags")
     if flags is None:
-        return f"{machine['cpu']} (flags {NOT_RECORDED})"
+        return f"{name} (flags {NOT_RECORDED})"
     listed = [flag for flag, present in flags.items() if present]
     listed += [f"no {flag}" for flag, present in flags.items() if not present]
-    return f"{machine['cpu']} ({', '.join(listed)})"
+    return f"{name} ({', '.join(listed)})"
 
 
 def commit(record: dict) -> str:

@@ -35,7 +35,9 @@ def test_a_written_record_and_the_report_name_the_commit_and_cpu_it_ran_on(tmp_p
     report = write_report(results, ["lora_overhead"]).read_text()
     assert f"| `lora_overhead` | `{written['commit']}` |" in report  # the table of where figures came from
     assert f"Commit: `{written['commit']}`" in report  # and the benchmark's own section
-    assert f"{model} ({'avx2' if 'avx2' in flags else 'no avx2'}, " in report
+    family = f"family {cpuinfo('cpu family')} model {cpuinfo('model')}"
+    assert written["machine"]["cpu_family"] == family
+    assert f"{model}, {family} ({'avx2' if 'avx2' in flags else 'no avx2'}, " in report
     assert "not recorded" not in report
 
 
