@@ -15,7 +15,9 @@ same tiles, each weight widened to fp32 as it is read (where torch casts the who
 call, 4 times its bytes, before its matmul), summed as fp32's are, then scaled. NF4 weights
 (kernels/nf4_linear.py) multiply fp32 rows in them too, each code looked up and scaled by its
 block's absmax as it is read (where torch's path dequantizes the whole weight at every call, 8
-times its bytes), bit for bit the fp32 tiles on dequantize_nf4's weights. The C++ source is
+times its bytes), bit for bit the fp32 tiles on dequantize_nf4's weights; and bf16 rows, on
+CPUs with AVX512-BF16, each weight then rounded to bf16 as dequantize_nf4 rounds it, bit for bit
+the bf16 tiles on those weights. The C++ source is
 compiled once per machine (kernels/cpu_library.py); where it cannot be, `CpuLinear.load` says why
 and returns None, and the weights take oneDNN's matmuls.
 """
@@ -46,14 +48,15 @@ class CpuLinear(CompiledKernel):
     SOURCE = Path(__file__).with_suffix(".cpp")
 
     def __init__(self, library: ctypes.CDLL):
-        functions = {
-            torch.float32: library.linear_float32,
-            torch.int8: library.linear_int8,
-            torch.uint8: library.linear_nf4,  # NF4 codes
+        names = {
+            (torch.float32, torch.float32): "linear_float32",
+            (torch.int8, torch.float32): "linear_int8",
+            (torch.uint8, torch.float32): "linear_nf4",  # NF4 codes
+            (torch.bfloat16, torch.bfloat16): "linear_bfloat16",  # built where the CPU has AVX512-BF16
+            (torch.uint8, torch.bfloat16): "linear_nf4_bfloat16",  # and there
         }
-        if hasattr(library, "linear_bfloat16"):  # built where the CPU has AVX512-BF16
-            functions[torch.bfloat16] = library.linear_bfloat16
-        # by the weights' dtype: the shape's, x's, the panels', the bias', y's
+        functions = {key: getattr(library, name) for key, name in names.items() if hasattr(library, name)}
+        # by the weights' and x's dtypes: the shape's, x's, the panels', the bias', y's
         self._functions = taking_pointers(functions, 5)
         library.linear_panel_columns.restype = ctypes.c_int64
         self.columns = library.linear_panel_columns()  # the outputs a panel holds
@@ -61,14 +64,17 @@ class CpuLinear(CompiledKernel):
     def runs(self, weight: torch.Tensor) -> bool:
         """Whether this kernel multiplies by `weight` [out, in]: fp32, int8 (fp32 rows, a scale
         per output), or bf16 with an even number of inputs where the CPU has AVX512-BF16."""
-        if weight.device.type != "cpu" or weight.dtype not in self._functions or weight.dtype == torch.uint8:
+        activations = torch.float32 if weight.dtype == torch.int8 else weight.dtype
+        if weight.device.type != "cpu" or (weight.dtype, activations) not in self._functions:
             return False
         return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
 
-    def runs_nf4(self, codes: torch.Tensor, in_features: int) -> bool:
-        """Whether this kernel multiplies by NF4 weights of these codes (nf4_linear's packed, on
-        the CPU) and rows of in_features inputs: each block of 64 within one output's inputs."""
-        return codes.device.type == "cpu" and in_features % NF4_BLOCK == 0
+    def runs_nf4(self, codes: torch.Tensor, in_features: int, dtype: torch.dtype) -> bool:
+        """Whether this kernel multiplies rows of `dtype` by NF4 weights of these codes (nf4_linear's
+        packed, on the CPU) and in_features inputs: fp32 rows, or bf16 ones where the CPU has
+        AVX512-BF16, each block of 64 within one output's inputs."""
+        known = (torch.uint8, dtype) in self._functions
+        return known and codes.device.type == "cpu" and in_features % NF4_BLOCK == 0
 
     def pack_nf4(
         self, codes: torch.Tensor, absmax: torch.Tensor, out: int
@@ -79,7 +85,11 @@ class CpuLinear(CompiledKernel):
         (high), and their absmax [ceil(out / columns), in / 64, columns]; outputs past `out`: code
         0, absmax 0."""
         inputs = codes.numel() * 2 // out
-        assert self.runs_nf4(codes, inputs) and absmax.numel() * NF4_BLOCK == out * inputs
+        assert (
+            codes.device.type == "cpu"
+            and inputs % NF4_BLOCK == 0
+            and absmax.numel() * NF4_BLOCK == out * inputs
+        )
         panels = -(-out // self.columns)
         padded = codes.new_zeros(panels * self.columns, inputs)  # [panels * columns, in] one code each
         padded[:out, 0::2], padded[:out, 1::2] = codes.view(out, -1) >> 4, codes.view(out, -1) & 15
@@ -116,13 +126,14 @@ class CpuLinear(CompiledKernel):
         inputs at a time and adds each block's sum to the bias and the blocks before it; bf16 sums
         them all in fp32, adds the bias and rounds once. With scale [out] fp32, W is int8 and x
         fp32: y = (x W^T) * scale + bias, the sums fp32's, each output's total scaled once. With
-        uint8 panels and their absmax as scale (pack_nf4's), W is NF4 and x fp32: y = x W^T + bias
-        summed as fp32's on W's dequantized values."""
-        assert x.stride(1) == 1 and x.is_cpu and panels.dtype in self._functions
+        uint8 panels and their absmax as scale (pack_nf4's), W is NF4 and x fp32 or bf16: y = x
+        W^T + bias summed as x's dtype sums it on W's dequantized values (rounded to bf16 for bf16
+        x, as dequantize_nf4 rounds them)."""
+        assert x.stride(1) == 1 and x.is_cpu and (panels.dtype, x.dtype) in self._functions
         shape = linear_shape(x, panels, out, bias, self.columns, scale)
         y = x.new_empty(x.shape[0], out)  # [tokens, out]
         pointers = (x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
-        self._functions[panels.dtype](ctypes.byref(shape), *pointers)
+        self._functions[panels.dtype, x.dtype](ctypes.byref(shape), *pointers)
         return y
 
 
@@ -136,15 +147,16 @@ def linear_shape(
 ) -> LinearShape:
     """The kernel's shape of y [tokens, out] = x W^T + b, once panels (pack()'s or pack_nf4's,
     of panels of `columns` outputs), the bias and the int8 weights' scales or NF4's absmax are
-    checked as the kernel reads them: of x's dtype (int8 or NF4 panels and fp32 scales with fp32
-    x), laid out one after another."""
+    checked as the kernel reads them: of x's dtype (int8 panels and fp32 scales with fp32 x; NF4
+    panels and fp32 absmax with fp32 or bf16 x), laid out one after another."""
     (tokens, inputs), count = x.shape, -(-out // columns)
     nf4 = panels.dtype == torch.uint8
     assert panels.shape == (count, inputs // 2 if nf4 else inputs, columns) and panels.is_contiguous()
     if scale is None:
         assert panels.dtype == x.dtype
     else:
-        assert panels.dtype in (torch.int8, torch.uint8) and x.dtype == scale.dtype == torch.float32
+        assert scale.dtype == torch.float32 and (x.dtype == torch.float32 or nf4)
+        assert panels.dtype in (torch.int8, torch.uint8)
         assert scale.is_contiguous()
         assert scale.shape == ((count, inputs // NF4_BLOCK, columns) if nf4 else (out,))
     assert bias is None or (bias.dtype == x.dtype and bias.shape == (out,) and bias.is_contiguous())

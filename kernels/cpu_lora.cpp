@@ -494,6 +494,13 @@ extern "C" void lora_linear_bfloat16(const Linear* s, const Lora* a, const uint1
                                      const uint16_t* bias, const uint16_t* pool, uint16_t* y) {
     lora_linear<Bf16>(*s, *a, x, w, bias, pool, y);
 }
+
+extern "C" void lora_linear_nf4_bfloat16(const Linear* s, const Lora* a, const uint16_t* x, const uint8_t* w,
+                                         const uint16_t* bias, const uint16_t* pool, uint16_t* y, const float* absmax) {
+    Linear scaled = *s;
+    scaled.scale = absmax;
+    lora_linear<Nf4Bf16>(scaled, *a, x, w, bias, pool, y);
+}
 #endif
 
 #define EXPORT(NAME, T)                                                                               \

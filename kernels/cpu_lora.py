@@ -50,22 +50,29 @@ class CpuLora(CompiledKernel):
             for name in ("shrink", "expand", "shrink_expand")
             for dtype, function in dtype_functions(library, f"lora_{name}", 4).items()
         }
-        # by the weights' dtype (bf16 where the CPU has AVX512-BF16; NF4 missing from an earlier
-        # commit's build, as bench.cpu_lora --against makes one): the shapes' pointers, then x's, the
-        # panels', the bias', the pool's and y's; int8 and NF4 weights (fp32 x) then their scales'
-        # (absmax's)
-        names = {dtype: f"lora_linear_{DTYPE_NAMES[dtype]}" for dtype in (torch.float32, torch.bfloat16)}
-        linear = {dtype: getattr(library, name) for dtype, name in names.items() if hasattr(library, name)}
-        names = {torch.int8: "lora_linear_int8", torch.uint8: "lora_linear_nf4"}
-        scaled = {dtype: getattr(library, name) for dtype, name in names.items() if hasattr(library, name)}
+        # by the weights' and x's dtypes (bf16 where the CPU has AVX512-BF16; NF4 missing from an
+        # earlier commit's build, as bench.cpu_lora --against makes one): the shapes' pointers,
+        # then x's, the panels', the bias', the pool's and y's; int8 and NF4 weights then their
+        # scales' (absmax's)
+        names = {
+            (dtype, dtype): f"lora_linear_{DTYPE_NAMES[dtype]}" for dtype in (torch.float32, torch.bfloat16)
+        }
+        linear = {key: getattr(library, name) for key, name in names.items() if hasattr(library, name)}
+        names = {
+            (torch.int8, torch.float32): "lora_linear_int8",
+            (torch.uint8, torch.float32): "lora_linear_nf4",
+            (torch.uint8, torch.bfloat16): "lora_linear_nf4_bfloat16",
+        }
+        scaled = {key: getattr(library, name) for key, name in names.items() if hasattr(library, name)}
         linear = taking_pointers(linear, 7) | taking_pointers(scaled, 8)
-        self.functions.update({("linear", dtype): function for dtype, function in linear.items()})
+        self.functions.update({("linear", *key): function for key, function in linear.items()})
         library.lora_panel_columns.restype = ctypes.c_int64
         self.columns = library.lora_panel_columns()  # the outputs a panel of W holds (CpuLinear's)
 
-    def runs_linear(self, panels: torch.Tensor) -> bool:
-        """Whether CpuLoraStep.linear multiplies by these panels (CpuLinear.pack's or pack_nf4's)."""
-        return ("linear", panels.dtype) in self.functions and panels.shape[2] == self.columns
+    def runs_linear(self, panels: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether CpuLoraStep.linear multiplies rows of `dtype` by these panels (CpuLinear.pack's
+        or pack_nf4's)."""
+        return ("linear", panels.dtype, dtype) in self.functions and panels.shape[2] == self.columns
 
     def step(self, table: SegmentTable) -> "CpuLoraStep":
         """The kernels on one step's segments (`table`: int32, on the CPU)."""
@@ -161,8 +168,8 @@ class CpuLoraStep:
         for bit: y [tokens, out] = x W^T + b (int8 W: (x W^T) * scale + b), then each slice's
         adapter products added (where CpuLora.runs_linear).
         x [tokens, in] rows contiguous; panels [ceil(out / columns), in, columns], of x's dtype, or
-        int8 with fp32 x and scale [out], or NF4 codes (CpuLinear.pack_nf4's, uint8) with fp32 x
-        and their absmax as scale."""
+        int8 with fp32 x and scale [out], or NF4 codes (CpuLinear.pack_nf4's, uint8) with fp32 or
+        bf16 x and their absmax as scale."""
         tokens, inputs = x.shape
         key = (
             "linear", first_target, slice_sizes, inputs, unit, x.stride(), (out, 1), 1, x.dtype,
@@ -187,10 +194,12 @@ class CpuLoraStep:
         scale: torch.Tensor | None,
     ) -> Callable[..., None]:
         """linear's call of `key`, once its tensors are checked as CpuLinear's call checks them."""
-        assert self._kernel.runs_linear(panels)
+        assert self._kernel.runs_linear(panels, x.dtype)
         shape = linear_shape(x, panels, out, bias, self._kernel.columns, scale)
         lora = self._shape(key, x, pool)
-        run = partial(self._kernel.functions["linear", panels.dtype], ctypes.byref(shape), ctypes.byref(lora))
+        run = partial(
+            self._kernel.functions["linear", panels.dtype, x.dtype], ctypes.byref(shape), ctypes.byref(lora)
+        )
         self._calls[key] = run  # the partial holds the shapes, and their byrefs the structs
         return run
 

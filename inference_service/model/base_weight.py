@@ -84,7 +84,8 @@ class Nf4Weight(nn.Module):
     """bitsandbytes' NF4 (without double quantization: the absmax stays fp32). Each slice is
     quantized alone, as the reference's separate layers are, so its blocks must not straddle the
     next slice: every slice's size times in_features is a multiple of 64. On a CPU, fp32
-    activations multiply the codes in kernels/cpu_linear.py's panels once pack() ran."""
+    activations (and bf16 ones, with AVX512-BF16) multiply the codes in kernels/cpu_linear.py's
+    panels once pack() ran."""
 
     def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
         super().__init__()
@@ -111,12 +112,10 @@ class Nf4Weight(nn.Module):
         self.absmax[start // BLOCK : start // BLOCK + absmax.numel()] = absmax
 
     def pack(self, linear: CpuLinear | None) -> None:
-        """Once loaded, on a CPU with fp32 activations: the codes and absmax laid out in
-        `linear`'s panels, each weight looked up as the kernel reads it (torch's path dequantizes
-        the whole weight at every call)."""
-        if self.dtype != torch.float32 or linear is None:
-            return
-        if linear.runs_nf4(self.packed, self.in_features):
+        """Once loaded, on a CPU with fp32 activations (or bf16 where it has AVX512-BF16): the
+        codes and absmax laid out in `linear`'s panels, each weight looked up as the kernel reads it
+        (torch's path dequantizes the whole weight at every call)."""
+        if linear is not None and linear.runs_nf4(self.packed, self.in_features, self.dtype):
             self.packed, self.absmax = linear.pack_nf4(self.packed, self.absmax, self.out_features)
             self.linear = linear
 

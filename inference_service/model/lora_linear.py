@@ -89,6 +89,7 @@ class LoRALinear(nn.Module):
     ):
         super().__init__()
         self.split = split
+        self.dtype = dtype  # the activations'
         out_features = sum(slice_sizes)
         self.in_features = in_features
         self.base = base_weight(quantization, in_features, slice_sizes, dtype, device)
@@ -119,7 +120,7 @@ class LoRALinear(nn.Module):
             self.base.pack(linear)
             packed = self.base.packed
             panels = (packed.panels, None) if isinstance(packed, PanelWeight) else None
-        ours = panels is not None and lora is not None and lora.runs_linear(panels[0])
+        ours = panels is not None and lora is not None and lora.runs_linear(panels[0], self.dtype)
         self.panels = panels if ours and self.split is None else None
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:

@@ -147,21 +147,27 @@ def test_int8_weights_are_packed_as_fp32_ones_and_need_their_scales(kernel):
 @pytest.mark.parametrize("inputs", [64, SUM_BLOCK, SUM_BLOCK + 64, 1536])
 @pytest.mark.parametrize("out", [48, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_nf4_weights_are_the_fp32_tiles_on_their_dequantized_values(kernel, tokens, inputs, out, bias):
-    """Each code looked up and times its block's absmax as dequantize_nf4 computes it, then summed
-    as fp32 weights are: the same bits as the fp32 kernel on the dequantized weight."""
-    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out)
-    codes, absmax = quantize_nf4(weight)
+def test_nf4_weights_are_the_dense_tiles_on_their_dequantized_values(
+    kernel, dtype, tokens, inputs, out, bias
+):
+    """Each code looked up and times its block's absmax as dequantize_nf4 computes it (rounded to
+    bf16 for bf16 rows, as it rounds them), then summed as the rows' dtype sums dense weights: the
+    same bits as the dense kernel on the dequantized weight."""
+    if not kernel.runs_nf4(torch.zeros(1, dtype=torch.uint8), inputs, dtype):
+        pytest.skip(f"this build of the kernel has no NF4 path for {dtype} rows")
+    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out, dtype)
+    codes, absmax = quantize_nf4(weight.float())
     panels, blocks = kernel.pack_nf4(codes, absmax, out)
     assert panels.dtype == torch.uint8
     assert panels.shape == (-(-out // kernel.columns), inputs // 2, kernel.columns)
     y = kernel(x, panels, out, b, blocks)
-    dequantized = dequantize_nf4(codes, absmax, (out, inputs), torch.float32)
+    dequantized = dequantize_nf4(codes, absmax, (out, inputs), dtype)
     expected = kernel(x, kernel.pack(dequantized), out, b)
-    assert y.shape == (tokens, out) and torch.equal(y.view(torch.int32), expected.view(torch.int32))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert y.shape == (tokens, out) and torch.equal(y.view(bits), expected.view(bits))
 
 
-def test_nf4_panels_need_their_absmax_fp32_rows_and_whole_blocks_of_inputs(kernel):
+def test_nf4_panels_need_their_absmax_and_whole_blocks_of_inputs(kernel):
     x, weight, _ = _case(4, 128, 100, False, 6)
     codes, absmax = quantize_nf4(weight)
     panels, blocks = kernel.pack_nf4(codes, absmax, 100)
@@ -170,6 +176,7 @@ def test_nf4_panels_need_their_absmax_fp32_rows_and_whole_blocks_of_inputs(kerne
     with pytest.raises(AssertionError):
         kernel(x, panels, 100, None, absmax)  # absmax not laid out in panels
     with pytest.raises(AssertionError):
-        kernel(x.bfloat16(), panels, 100, None, blocks)  # NF4 weights take fp32 rows
-    assert kernel.runs_nf4(codes, 128) and not kernel.runs_nf4(codes, 96)  # blocks would straddle rows
+        kernel(x.half(), panels, 100, None, blocks)  # NF4 weights take fp32 (or bf16) rows
+    assert kernel.runs_nf4(codes, 128, torch.float32) and not kernel.runs_nf4(codes, 128, torch.float16)
+    assert not kernel.runs_nf4(codes, 96, torch.float32)  # blocks would straddle rows
     assert not kernel.runs(codes)  # codes are not a dense uint8 weight

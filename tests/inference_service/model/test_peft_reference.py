@@ -95,7 +95,7 @@ def _image(runner: ModelRunner, name: str, path) -> AdapterImage:
 
 
 def _runner(
-    model_dir, adapter_dirs, quantization="none", parallel=None, max_lora_rank=16
+    model_dir, adapter_dirs, quantization="none", parallel=None, max_lora_rank=16, dtype="float32"
 ) -> tuple[ModelRunner, dict[str, int], AdapterMemory]:
     """Every adapter loaded into pages of adapter memory, placed by AdapterMemory as the engine
     places them: a memory filled by the first ones' pages and freed in between, so later
@@ -104,6 +104,7 @@ def _runner(
     runner = ModelRunner(
         EngineConfig(
             model=str(model_dir),
+            dtype=dtype,
             quantization=quantization,
             max_loras=len(adapter_dirs),
             max_lora_rank=max_lora_rank,

@@ -4,13 +4,17 @@ batch with requests on the base model. The float64 yardstick is PEFT over the de
 in float64 (exact: every dequantized value is an fp32 number), so the bound is what fp32 costs."""
 
 import re
+import shutil
 
 import pytest
 import torch
 from torch import nn
 
 from inference_service.engine.block_manager import BlockManager
+from inference_service.model.base_weight import Nf4Weight
 from inference_service.model.forward_batch import SequenceInput
+from inference_service.model.lora_linear import LoRALinear
+from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import dequantize_int8_rows, quantize_int8_rows
 from kernels.nf4_linear import dequantize_nf4, quantize_nf4
 from tests.conftest import TINY_ADAPTERS, build_peft_adapter, build_tiny_model
@@ -131,6 +135,52 @@ def test_quantized_bases_differ_from_the_dense_one_and_from_each_other(models):
         outputs[quantization] = runner.forward([SequenceInput(prompt, 0, table, slots["all8"])])
     assert (outputs["int8"] - outputs["none"]).abs().max() > 1e-4
     assert (outputs["nf4"] - outputs["none"]).abs().max() > (outputs["int8"] - outputs["none"]).abs().max()
+
+
+def test_bf16_rows_on_an_nf4_base_give_the_dense_bf16_logits_of_its_dequantized_weights(models, tmp_path):
+    """bf16 activations on NF4 weights take the compiled kernel where the CPU has AVX512-BF16, each
+    weight looked up, scaled and rounded to bf16 as dequantize_nf4 rounds it: a mixed batch's
+    prefill and decode logits equal, bit for bit, those of a dense bf16 base whose checkpoint holds
+    the NF4 weights dequantized (they quantize back to the same codes and absmax)."""
+    from safetensors.torch import load_file, save_file
+
+    linear, _ = CpuLinear.load()
+    if linear is None or not linear.runs_nf4(torch.zeros(1, dtype=torch.uint8), 64, torch.bfloat16):
+        pytest.skip("no NF4 kernel for bf16 rows here (no AVX512-BF16)")
+    model_dir, adapter_dirs = models["llama"]
+    dense_dir = tmp_path / "dequantized"
+    shutil.copytree(model_dir, dense_dir)
+    weights = load_file(dense_dir / "model.safetensors")
+    for name, weight in weights.items():
+        if re.search(r"layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$", name):
+            weights[name] = _dequantized(weight.float(), "nf4").to(weight.dtype)
+    save_file(weights, dense_dir / "model.safetensors", metadata={"format": "pt"})
+    nf4, slots, _ = _runner(model_dir, adapter_dirs, "nf4", dtype="bfloat16")
+    dense, _, _ = _runner(dense_dir, adapter_dirs, dtype="bfloat16")
+    layers = [m for m in nf4.model.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(isinstance(m.base, Nf4Weight) and m.base.linear is not None for m in layers)
+    assert all(m.panels is not None for m in layers)  # with their adapters in the same call
+    rows = [(name, 5 + i) for i, name in enumerate([*adapter_dirs, None])]
+    gen = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
+    slot_of = [-1 if a is None else slots[a] for a, _ in rows]
+    blocks = {runner: BlockManager(runner.num_blocks) for runner in (nf4, dense)}
+    tables = {runner: [blocks[runner].allocate(8) for _ in rows] for runner in (nf4, dense)}
+
+    def step(runner, prefill: bool) -> torch.Tensor:
+        inputs = [
+            SequenceInput(s if prefill else s[-1:], 0 if prefill else len(s) - 1, table, slot)
+            for s, table, slot in zip(sequences, tables[runner], slot_of, strict=True)
+        ]
+        return runner.forward(inputs, all_logits=prefill)
+
+    for i in range(4):  # the prefill, then decode steps on the dense base's greedy tokens
+        ours, expected = step(nf4, i == 0), step(dense, i == 0)
+        assert ours.dtype == expected.dtype == torch.float32  # a bf16 model's logits, widened
+        assert torch.equal(ours.view(torch.int32), expected.view(torch.int32)), i
+        last = torch.tensor([len(s) for s in sequences]).cumsum(0) - 1 if i == 0 else torch.arange(len(rows))
+        for s, token in zip(sequences, expected[last].argmax(dim=-1).tolist(), strict=True):
+            s.append(token)
 
 
 @pytest.fixture(scope="module")
