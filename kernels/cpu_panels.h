@@ -14,7 +14,9 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_vec.h"
 #ifdef __AVX2__
@@ -134,10 +136,18 @@ struct Nf4 {
         0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
         0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
     };
+    using Dense = Fp32;  // the kind whose tiles multiply the looked-up weights alike
     struct Step {
         Lanes first[kPanelVecs], second[kPanelVecs];  // the two inputs' weights
     };
     static int64_t block(const Linear& s) { return s.block; }
+    // the step's weights in Dense's layout: 2 * kCols floats
+    static void unpack(const Step& step, float* out) {
+        for (int v = 0; v < kPanelVecs; ++v) {
+            std::memcpy(out + v * kLanes, &step.first[v], sizeof(Lanes));
+            std::memcpy(out + kCols + v * kLanes, &step.second[v], sizeof(Lanes));
+        }
+    }
     // w: the step's codes; absmax: the panel's [inputs / 64][kCols]; k: the step's first input
     static Step weights(const uint8_t* w, const float* absmax, int64_t k) {
         const float* scale = absmax + k / kBlock * kCols;
@@ -189,10 +199,14 @@ struct Nf4Bf16 {
     using W = uint8_t;
     static constexpr int64_t kStep = 2, kBits = 4;
     static constexpr bool kScaled = false;
+    using Dense = Bf16;
     struct Step {
         __m512i pairs[kPanelVecs];  // Bf16's layout: lane c holds the first input's weight, then the second's
     };
     static int64_t block(const Linear& s) { return s.inputs; }
+    static void unpack(const Step& step, uint16_t* out) {  // 2 * kCols bf16
+        for (int v = 0; v < kPanelVecs; ++v) std::memcpy(out + 2 * v * kLanes, &step.pairs[v], sizeof(__m512i));
+    }
     static Step weights(const uint8_t* w, const float* absmax, int64_t k) {
         const Nf4::Step values = Nf4::weights(w, absmax, k);
         Step step;
@@ -296,14 +310,10 @@ int64_t panel_steps(const Linear& s) {
     return (s.rows + kRows - 1) / kRows * ((s.inputs + Kind::kStep - 1) / Kind::kStep);
 }
 
-// Panel p times every row of x: its totals started from its biases (panel_ends), then a tile of
-// kRows rows at a time, the last rows in one smaller tile.
+// Every row of x times a panel whose totals start from ends: a tile of kRows rows at a time, the
+// last rows in one smaller tile.
 template <typename Kind, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
-void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p, Lines& lines) {
-    const int64_t cols = std::min(kCols, s.out - p * kCols);
-    w += p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
-    y += p * kCols;
-    const Ends ends = panel_ends<Kind>(s, bias, p, cols);
+void tiles(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64_t cols, Lines& lines) {
     int64_t m = 0;
     for (; m + kRows <= s.rows; m += kRows) {
         tile<Kind, kRows>(s, x + m * s.x_stride, w, ends, y + m * s.y_stride, cols, m < kAskRows, lines);
@@ -321,4 +331,37 @@ void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t
         case 6: tile<Kind, 6>(s, x, w, ends, y, cols, ask, lines); break;
         default: tile<Kind, 7>(s, x, w, ends, y, cols, ask, lines); break;
     }
+}
+
+// Whether a kind looks its weights up (NF4): Kind::Dense then multiplies what it looks up.
+template <typename Kind, typename = void>
+constexpr bool kLooksUp = false;
+template <typename Kind>
+constexpr bool kLooksUp<Kind, std::void_t<typename Kind::Dense>> = true;
+
+// Panel p times every row of x, its totals started from its biases (panel_ends). Where a kind looks
+// its weights up and several tiles read them, they are looked up once, into a panel of Dense's (in
+// L2, a thread's own), which Dense's tiles then multiply: the same weights, the same sums. Looked
+// up in each of 4 tiles (32 rows), NF4 decode steps took 1.67x the bf16 dense model's time.
+template <typename Kind, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
+void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p, Lines& lines) {
+    const int64_t cols = std::min(kCols, s.out - p * kCols);
+    w += p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
+    y += p * kCols;
+    const Ends ends = panel_ends<Kind>(s, bias, p, cols);
+    if constexpr (kLooksUp<Kind>) {
+        if (s.rows > kRows) {
+            using Dense = typename Kind::Dense;
+            thread_local std::vector<typename Dense::W> dense;
+            dense.resize(s.inputs * kCols);  // [inputs, kCols] in Dense's layout
+            constexpr int64_t step_bytes = Kind::kStep * kCols * Kind::kBits / 8;
+            for (int64_t k = 0; k < s.inputs; k += Kind::kStep) {
+                const W* wk = w + k / Kind::kStep * step_bytes;
+                Kind::unpack(Kind::weights(wk, ends.absmax, k), dense.data() + k * kCols);
+            }
+            tiles<Dense>(s, x, dense.data(), panel_ends<Dense>(s, bias, p, cols), y, cols, lines);
+            return;
+        }
+    }
+    tiles<Kind>(s, x, w, ends, y, cols, lines);
 }
