@@ -137,6 +137,7 @@ struct Nf4 {
         0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
     };
     using Dense = Fp32;  // the kind whose tiles multiply the looked-up weights alike
+    static constexpr int64_t kLookupTiles = 4;  // panels read by more tiles look their weights up once (panel())
     struct Step {
         Lanes first[kPanelVecs], second[kPanelVecs];  // the two inputs' weights
     };
@@ -200,6 +201,7 @@ struct Nf4Bf16 {
     static constexpr int64_t kStep = 2, kBits = 4;
     static constexpr bool kScaled = false;
     using Dense = Bf16;
+    static constexpr int64_t kLookupTiles = 1;
     struct Step {
         __m512i pairs[kPanelVecs];  // Bf16's layout: lane c holds the first input's weight, then the second's
     };
@@ -340,9 +342,10 @@ template <typename Kind>
 constexpr bool kLooksUp<Kind, std::void_t<typename Kind::Dense>> = true;
 
 // Panel p times every row of x, its totals started from its biases (panel_ends). Where a kind looks
-// its weights up and several tiles read them, they are looked up once, into a panel of Dense's (in
-// L2, a thread's own), which Dense's tiles then multiply: the same weights, the same sums. Looked
-// up in each of 4 tiles (32 rows), NF4 decode steps took 1.67x the bf16 dense model's time.
+// its weights up and more than Kind::kLookupTiles tiles read them, they are looked up once, into a
+// panel of Dense's (in L2, a thread's own), which Dense's tiles then multiply: the same weights, the
+// same sums. At 32 rows (4 tiles) with 8 adapters, NF4 decode steps so took 0.73 of the time in
+// bf16, and 1.06x in fp32, whose lookup costs less beside its products.
 template <typename Kind, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
 void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p, Lines& lines) {
     const int64_t cols = std::min(kCols, s.out - p * kCols);
@@ -350,7 +353,7 @@ void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t
     y += p * kCols;
     const Ends ends = panel_ends<Kind>(s, bias, p, cols);
     if constexpr (kLooksUp<Kind>) {
-        if (s.rows > kRows) {
+        if (s.rows > Kind::kLookupTiles * kRows) {
             using Dense = typename Kind::Dense;
             thread_local std::vector<typename Dense::W> dense;
             dense.resize(s.inputs * kCols);  // [inputs, kCols] in Dense's layout
