@@ -1,4 +1,4 @@
-"""cpu_linear: the CPU's matmul for fp32 and bf16 linear layers (kernels/cpu_linear.cpp).
+"""cpu_linear: the CPU's matmul for fp32, bf16, int8 and NF4 linear layers (kernels/cpu_linear.cpp).
 
 An fp32 sum of n products in one pass errs about n times fp32's unit roundoff; MKL's sgemm, which
 transformers runs, sums blocks of inputs apart and adds the blocks, so it errs far less at 1,536
@@ -15,11 +15,11 @@ same tiles, each weight widened to fp32 as it is read (where torch casts the who
 call, 4 times its bytes, before its matmul), summed as fp32's are, then scaled. NF4 weights
 (kernels/nf4_linear.py) multiply fp32 rows in them too, each code looked up and scaled by its
 block's absmax as it is read (where torch's path dequantizes the whole weight at every call, 8
-times its bytes), bit for bit the fp32 tiles on dequantize_nf4's weights; and bf16 rows, on
-CPUs with AVX512-BF16, each weight then rounded to bf16 as dequantize_nf4 rounds it, bit for bit
-the bf16 tiles on those weights. The C++ source is
-compiled once per machine (kernels/cpu_library.py); where it cannot be, `CpuLinear.load` says why
-and returns None, and the weights take oneDNN's matmuls.
+times its bytes), bit for bit the fp32 tiles on dequantize_nf4's weights; and bf16 rows, on CPUs
+with AVX512-BF16, each weight then rounded to bf16 as dequantize_nf4 rounds it, bit for bit the
+bf16 tiles on those weights. The C++ source is compiled once per machine
+(kernels/cpu_library.py); where it cannot be, `CpuLinear.load` says why and returns None, and the
+weights take oneDNN's matmuls.
 """
 
 import ctypes
