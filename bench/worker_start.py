@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bench.cache import default_model_dir
-from bench.local_stack import start, wait_ready
+from bench.local_stack import service, wait_ready
 from shared import tcmalloc
 from shared.huge_page_advice import ENV, heeded
 
@@ -29,13 +29,9 @@ def seconds_to_ready(model_dir: Path, cache: Path, advice: str | None) -> float:
     if advice is not None:
         env[ENV] = advice
     began = time.perf_counter()
-    process, address = start("inference_service", "--model", str(model_dir), env=env)
-    try:
+    with service("inference_service", "--model", str(model_dir), env=env) as address:
         wait_ready(address)
         return time.perf_counter() - began
-    finally:
-        process.terminate()
-        process.wait()
 
 
 def main() -> None:

@@ -62,6 +62,12 @@ def dtype_functions(library: ctypes.CDLL, prefix: str, pointers: int) -> dict:
     return taking_pointers(functions, pointers)
 
 
+def present_functions(library: ctypes.CDLL, names: dict) -> dict:
+    """key -> the library's function of that name, for the names it has (a build for a CPU
+    without AVX512-BF16 has no bf16 ones; an earlier commit's build, fewer)."""
+    return {key: getattr(library, name) for key, name in names.items() if hasattr(library, name)}
+
+
 def taking_pointers(functions: dict, pointers: int) -> dict:
     """`functions`, each declared to take `pointers` pointers (its shape's, then its tensors'), so
     that tensors pass as ints (data_ptr())."""

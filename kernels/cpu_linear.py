@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CompiledKernel, taking_pointers
+from kernels.cpu_library import CompiledKernel, present_functions, taking_pointers
 from kernels.nf4_linear import BLOCK as NF4_BLOCK
 
 # Inputs an output sums in registers before the sum is added to the output: MKL's sgemm errs about
@@ -55,9 +55,8 @@ class CpuLinear(CompiledKernel):
             (torch.bfloat16, torch.bfloat16): "linear_bfloat16",  # built where the CPU has AVX512-BF16
             (torch.uint8, torch.bfloat16): "linear_nf4_bfloat16",  # and there
         }
-        functions = {key: getattr(library, name) for key, name in names.items() if hasattr(library, name)}
         # by the weights' and x's dtypes: the shape's, x's, the panels', the bias', y's
-        self._functions = taking_pointers(functions, 5)
+        self._functions = taking_pointers(present_functions(library, names), 5)
         library.linear_panel_columns.restype = ctypes.c_int64
         self.columns = library.linear_panel_columns()  # the outputs a panel holds
 

@@ -464,6 +464,16 @@ void lora_linear(const Linear& s, const Lora& a, const T* x, const W* w, const T
     }
 }
 
+// lora_linear of int8 or NF4 weights: their scales (absmax) are the call's own (a step's shape
+// serves every layer of its shape).
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void scaled_linear(const Linear* s, const Lora* a, const T* x, const W* w, const T* bias, const T* pool, T* y,
+                   const float* scale) {
+    Linear scaled = *s;
+    scaled.scale = scale;
+    lora_linear<Kind>(scaled, *a, x, w, bias, pool, y);
+}
+
 }  // namespace
 
 extern "C" int64_t lora_panel_columns() { return kCols; }
@@ -473,20 +483,14 @@ extern "C" void lora_linear_float32(const Linear* s, const Lora* a, const float*
     lora_linear<Fp32>(*s, *a, x, w, bias, pool, y);
 }
 
-// int8 and NF4 weights: the scales (absmax) are the call's own (a step's shape serves every layer of
-// its shape).
 extern "C" void lora_linear_int8(const Linear* s, const Lora* a, const float* x, const int8_t* w, const float* bias,
                                  const float* pool, float* y, const float* scale) {
-    Linear scaled = *s;
-    scaled.scale = scale;
-    lora_linear<Int8>(scaled, *a, x, w, bias, pool, y);
+    scaled_linear<Int8>(s, a, x, w, bias, pool, y, scale);
 }
 
 extern "C" void lora_linear_nf4(const Linear* s, const Lora* a, const float* x, const uint8_t* w, const float* bias,
                                 const float* pool, float* y, const float* absmax) {
-    Linear scaled = *s;
-    scaled.scale = absmax;
-    lora_linear<Nf4>(scaled, *a, x, w, bias, pool, y);
+    scaled_linear<Nf4>(s, a, x, w, bias, pool, y, absmax);
 }
 
 #ifdef __AVX512BF16__
@@ -497,9 +501,7 @@ extern "C" void lora_linear_bfloat16(const Linear* s, const Lora* a, const uint1
 
 extern "C" void lora_linear_nf4_bfloat16(const Linear* s, const Lora* a, const uint16_t* x, const uint8_t* w,
                                          const uint16_t* bias, const uint16_t* pool, uint16_t* y, const float* absmax) {
-    Linear scaled = *s;
-    scaled.scale = absmax;
-    lora_linear<Nf4Bf16>(scaled, *a, x, w, bias, pool, y);
+    scaled_linear<Nf4Bf16>(s, a, x, w, bias, pool, y, absmax);
 }
 #endif
 

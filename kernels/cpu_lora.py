@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import DTYPE_NAMES, CompiledKernel, dtype_functions, taking_pointers
+from kernels.cpu_library import (
+    DTYPE_NAMES,
+    CompiledKernel,
+    dtype_functions,
+    present_functions,
+    taking_pointers,
+)
 from kernels.cpu_linear import linear_shape
 from kernels.lora_batch import SegmentTable
 from kernels.lora_expand import MAX_SLICES
@@ -54,17 +60,14 @@ class CpuLora(CompiledKernel):
         # earlier commit's build, as bench.cpu_lora --against makes one): the shapes' pointers,
         # then x's, the panels', the bias', the pool's and y's; int8 and NF4 weights then their
         # scales' (absmax's)
-        names = {
-            (dtype, dtype): f"lora_linear_{DTYPE_NAMES[dtype]}" for dtype in (torch.float32, torch.bfloat16)
-        }
-        linear = {key: getattr(library, name) for key, name in names.items() if hasattr(library, name)}
-        names = {
+        dense = {(d, d): f"lora_linear_{DTYPE_NAMES[d]}" for d in (torch.float32, torch.bfloat16)}
+        scaled = {
             (torch.int8, torch.float32): "lora_linear_int8",
             (torch.uint8, torch.float32): "lora_linear_nf4",
             (torch.uint8, torch.bfloat16): "lora_linear_nf4_bfloat16",
         }
-        scaled = {key: getattr(library, name) for key, name in names.items() if hasattr(library, name)}
-        linear = taking_pointers(linear, 7) | taking_pointers(scaled, 8)
+        linear = taking_pointers(present_functions(library, dense), 7)
+        linear |= taking_pointers(present_functions(library, scaled), 8)
         self.functions.update({("linear", *key): function for key, function in linear.items()})
         library.lora_panel_columns.restype = ctypes.c_int64
         self.columns = library.lora_panel_columns()  # the outputs a panel of W holds (CpuLinear's)

@@ -162,6 +162,8 @@ struct Nf4 {
         }
         return step;
     }
+    // Fp32's madd, one input after the other, on the step's registers: through Fp32::madd (which
+    // loads from memory) its tiles of 8 and 32 rows took 1.24x as long
     static void madd(Lanes* acc, const float* x, const Step& w) {
         for (int v = 0; v < kPanelVecs; ++v) acc[v] += x[0] * w.first[v];
         for (int v = 0; v < kPanelVecs; ++v) acc[v] += x[1] * w.second[v];
@@ -218,10 +220,7 @@ struct Nf4Bf16 {
         return step;
     }
     static void madd(Lanes* acc, const uint16_t* x, const Step& w) {
-        const __m512bh pair = (__m512bh)_mm512_set1_epi32(load_as<int32_t>(x));
-        for (int v = 0; v < kPanelVecs; ++v) {
-            acc[v] = (Lanes)_mm512_dpbf16_ps((__m512)acc[v], pair, (__m512bh)w.pairs[v]);
-        }
+        Bf16::madd(acc, x, reinterpret_cast<const uint16_t*>(w.pairs));
     }
 };
 #endif
