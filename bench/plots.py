@@ -143,9 +143,13 @@ def rank_padding(result: dict, path: Path) -> None:
 def quantized(result: dict, path: Path) -> None:
     fig = Figure(figsize=(6.4, 3.6))
     ax = fig.add_subplot()
-    names = {"none": "fp32 (dense)", "int8": "int8", "nf4": "NF4"}
-    ratios = {names[q]: values for q, values in result["ratios"].items()}
-    bars_with_rounds(ax, ratios, "decode tok/s, ratio to fp32", "quantized base weights on the CPU")
+    names = {"none": "dense", "int8": "int8", "nf4": "NF4"}
+    dtypes = {"float32": "fp32", "bfloat16": "bf16"}
+    ratios = {}
+    for name, values in result["ratios"].items():
+        dtype, q = name.split()
+        ratios[f"{dtypes[dtype]}\n{names[q]}"] = values
+    bars_with_rounds(ax, ratios, "decode tok/s, ratio to dense", "quantized base weights on the CPU")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     save(fig, path)
 

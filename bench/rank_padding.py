@@ -60,7 +60,12 @@ class DecodeCase:
 
 
 def build_runner(
-    model_dir: Path, max_rank: int, adapter_dirs: list[Path], steps: int, quantization: str = "none"
+    model_dir: Path,
+    max_rank: int,
+    adapter_dirs: list[Path],
+    steps: int,
+    quantization: str = "none",
+    dtype: str = "float32",
 ) -> tuple[ModelRunner, list[int]]:
     """A runner whose KV cache holds two cases of `steps` decode steps (base and adapters), and
     the slots of the adapters (adapter_dirs order), placed in its adapter memory as the engine
@@ -68,6 +73,7 @@ def build_runner(
     runner = ModelRunner(
         EngineConfig(
             model=str(model_dir),
+            dtype=dtype,
             quantization=quantization,
             max_loras=ADAPTERS,
             max_lora_rank=max_rank,
@@ -79,7 +85,7 @@ def build_runner(
     slots = []
     for folder in adapter_dirs:
         weights = load_peft_adapter(folder.name, folder, runner.model_config, max_rank, torch.float32)
-        image = AdapterImage.of(weights, runner.model_config, torch.float32)
+        image = AdapterImage.of(weights, runner.model_config, runner.config.torch_dtype)
         slot, _ = memory.acquire(folder.name, image.need)
         runner.load_slot(slot, image, memory.pages(slot))
         slots.append(slot)

@@ -1,5 +1,5 @@
-// y = x W^T + b on the CPU for fp32, bf16, int8 and NF4 weights (int8: fp32 rows; NF4: fp32 or bf16
-// rows); built, loaded and documented by kernels/cpu_linear.py, over the panels of kernels/cpu_panels.h.
+// y = x W^T + b on the CPU for fp32, bf16, int8 and NF4 weights (int8 and NF4: fp32 or bf16 rows);
+// built, loaded and documented by kernels/cpu_linear.py, over the panels of kernels/cpu_panels.h.
 #include "cpu_panels.h"
 
 namespace {
@@ -33,6 +33,11 @@ extern "C" void linear_nf4(const Linear* s, const float* x, const uint8_t* w, co
 extern "C" void linear_bfloat16(const Linear* s, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                                 uint16_t* y) {
     linear<Bf16>(s, x, w, bias, y);
+}
+
+extern "C" void linear_int8_bfloat16(const Linear* s, const uint16_t* x, const int8_t* w, const uint16_t* bias,
+                                     uint16_t* y) {
+    linear<Int8Bf16>(s, x, w, bias, y);
 }
 
 extern "C" void linear_nf4_bfloat16(const Linear* s, const uint16_t* x, const uint8_t* w, const uint16_t* bias,

@@ -12,7 +12,9 @@ bf16 weights, on CPUs with AVX512-BF16, take the same tiles with bf16 pair produ
 oneDNN's instruction too), summed in fp32 over all inputs and rounded once. int8 weights with a
 scale per output (torchao's weight-only int8, kernels/int8_linear.py) multiply fp32 rows in the
 same tiles, each weight widened to fp32 as it is read (where torch casts the whole weight at every
-call, 4 times its bytes, before its matmul), summed as fp32's are, then scaled. NF4 weights
+call, 4 times its bytes, before its matmul), summed as fp32's are, then scaled; and bf16 rows, on
+CPUs with AVX512-BF16, each pair widened to bf16 and summed as bf16's are, the total then rounded
+before and after its scale as int8_linear's ops round it. NF4 weights
 (kernels/nf4_linear.py) multiply fp32 rows in them too, each code looked up and scaled by its
 block's absmax as it is read (where torch's path dequantizes the whole weight at every call, 8
 times its bytes), bit for bit the fp32 tiles on dequantize_nf4's weights; and bf16 rows, on CPUs
@@ -53,6 +55,7 @@ class CpuLinear(CompiledKernel):
             (torch.int8, torch.float32): "linear_int8",
             (torch.uint8, torch.float32): "linear_nf4",  # NF4 codes
             (torch.bfloat16, torch.bfloat16): "linear_bfloat16",  # built where the CPU has AVX512-BF16
+            (torch.int8, torch.bfloat16): "linear_int8_bfloat16",  # and there
             (torch.uint8, torch.bfloat16): "linear_nf4_bfloat16",  # and there
         }
         # by the weights' and x's dtypes: the shape's, x's, the panels', the bias', y's
@@ -60,13 +63,15 @@ class CpuLinear(CompiledKernel):
         library.linear_panel_columns.restype = ctypes.c_int64
         self.columns = library.linear_panel_columns()  # the outputs a panel holds
 
-    def runs(self, weight: torch.Tensor) -> bool:
-        """Whether this kernel multiplies by `weight` [out, in]: fp32, int8 (fp32 rows, a scale
-        per output), or bf16 with an even number of inputs where the CPU has AVX512-BF16."""
-        activations = torch.float32 if weight.dtype == torch.int8 else weight.dtype
+    def runs(self, weight: torch.Tensor, activations: torch.dtype | None = None) -> bool:
+        """Whether this kernel multiplies rows of `activations` (default: the weight's dtype; fp32
+        for int8) by `weight` [out, in]: fp32; int8 with a scale per output; bf16, and int8 under
+        bf16 rows, where the CPU has AVX512-BF16 and the inputs come in pairs."""
+        if activations is None:
+            activations = torch.float32 if weight.dtype == torch.int8 else weight.dtype
         if weight.device.type != "cpu" or (weight.dtype, activations) not in self._functions:
             return False
-        return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
+        return activations != torch.bfloat16 or weight.shape[1] % 2 == 0
 
     def runs_nf4(self, codes: torch.Tensor, in_features: int, dtype: torch.dtype) -> bool:
         """Whether this kernel multiplies rows of `dtype` by NF4 weights of these codes (nf4_linear's
@@ -123,8 +128,9 @@ class CpuLinear(CompiledKernel):
         """F.linear(x, W, bias) for x [tokens, in] (rows contiguous), panels = pack(W) of W [out,
         in] and bias [out] or None, all of W's dtype. fp32 sums each output's products SUM_BLOCK
         inputs at a time and adds each block's sum to the bias and the blocks before it; bf16 sums
-        them all in fp32, adds the bias and rounds once. With scale [out] fp32, W is int8 and x
-        fp32: y = (x W^T) * scale + bias, the sums fp32's, each output's total scaled once. With
+        them all in fp32, adds the bias and rounds once. With scale [out] fp32, W is int8: y = (x
+        W^T) * scale + bias, the sums x's dtype's; fp32 x scales each total once, bf16 x rounds
+        each total, then its product by the scale rounded to bf16, then the bias' sum. With
         uint8 panels and their absmax as scale (pack_nf4's), W is NF4 and x fp32 or bf16: y = x
         W^T + bias summed as x's dtype sums it on W's dequantized values (rounded to bf16 for bf16
         x, as dequantize_nf4 rounds them)."""
@@ -146,15 +152,15 @@ def linear_shape(
 ) -> LinearShape:
     """The kernel's shape of y [tokens, out] = x W^T + b, once panels (pack()'s or pack_nf4's,
     of panels of `columns` outputs), the bias and the int8 weights' scales or NF4's absmax are
-    checked as the kernel reads them: of x's dtype (int8 panels and fp32 scales with fp32 x; NF4
-    panels and fp32 absmax with fp32 or bf16 x), laid out one after another."""
+    checked as the kernel reads them: of x's dtype (int8 or NF4 panels and fp32 scales or absmax
+    with fp32 or bf16 x), laid out one after another."""
     (tokens, inputs), count = x.shape, -(-out // columns)
     nf4 = panels.dtype == torch.uint8
     assert panels.shape == (count, inputs // 2 if nf4 else inputs, columns) and panels.is_contiguous()
     if scale is None:
         assert panels.dtype == x.dtype
     else:
-        assert scale.dtype == torch.float32 and (x.dtype == torch.float32 or nf4)
+        assert scale.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
         assert panels.dtype in (torch.int8, torch.uint8)
         assert scale.is_contiguous()
         assert scale.shape == ((count, inputs // NF4_BLOCK, columns) if nf4 else (out,))

@@ -499,6 +499,11 @@ extern "C" void lora_linear_bfloat16(const Linear* s, const Lora* a, const uint1
     lora_linear<Bf16>(*s, *a, x, w, bias, pool, y);
 }
 
+extern "C" void lora_linear_int8_bfloat16(const Linear* s, const Lora* a, const uint16_t* x, const int8_t* w,
+                                          const uint16_t* bias, const uint16_t* pool, uint16_t* y, const float* scale) {
+    scaled_linear<Int8Bf16>(s, a, x, w, bias, pool, y, scale);
+}
+
 extern "C" void lora_linear_nf4_bfloat16(const Linear* s, const Lora* a, const uint16_t* x, const uint8_t* w,
                                          const uint16_t* bias, const uint16_t* pool, uint16_t* y, const float* absmax) {
     scaled_linear<Nf4Bf16>(s, a, x, w, bias, pool, y, absmax);

@@ -56,13 +56,14 @@ class CpuLora(CompiledKernel):
             for name in ("shrink", "expand", "shrink_expand")
             for dtype, function in dtype_functions(library, f"lora_{name}", 4).items()
         }
-        # by the weights' and x's dtypes (bf16 where the CPU has AVX512-BF16; NF4 missing from an
-        # earlier commit's build, as bench.cpu_lora --against makes one): the shapes' pointers,
-        # then x's, the panels', the bias', the pool's and y's; int8 and NF4 weights then their
-        # scales' (absmax's)
+        # by the weights' and x's dtypes (bf16 where the CPU has AVX512-BF16; NF4, and int8 under
+        # bf16, missing from an earlier commit's build, as bench.cpu_lora --against makes one): the
+        # shapes' pointers, then x's, the panels', the bias', the pool's and y's; int8 and NF4
+        # weights then their scales' (absmax's)
         dense = {(d, d): f"lora_linear_{DTYPE_NAMES[d]}" for d in (torch.float32, torch.bfloat16)}
         scaled = {
             (torch.int8, torch.float32): "lora_linear_int8",
+            (torch.int8, torch.bfloat16): "lora_linear_int8_bfloat16",
             (torch.uint8, torch.float32): "lora_linear_nf4",
             (torch.uint8, torch.bfloat16): "lora_linear_nf4_bfloat16",
         }
@@ -171,8 +172,8 @@ class CpuLoraStep:
         for bit: y [tokens, out] = x W^T + b (int8 W: (x W^T) * scale + b), then each slice's
         adapter products added (where CpuLora.runs_linear).
         x [tokens, in] rows contiguous; panels [ceil(out / columns), in, columns], of x's dtype, or
-        int8 with fp32 x and scale [out], or NF4 codes (CpuLinear.pack_nf4's, uint8) with fp32 or
-        bf16 x and their absmax as scale."""
+        int8 with scale [out], or NF4 codes (CpuLinear.pack_nf4's, uint8) with their absmax as
+        scale, under fp32 or bf16 x."""
         tokens, inputs = x.shape
         key = (
             "linear", first_target, slice_sizes, inputs, unit, x.stride(), (out, 1), 1, x.dtype,

@@ -9,8 +9,10 @@
 // L1, at 512 rows, took 1.04x as long: each block's sums went through y). fp32 sums blocks of
 // s.block inputs; bf16 sums all inputs in one block and rounds once. int8 weights (one scale per
 // output) multiply fp32 rows as fp32 ones do, each vector of them widened as it is read; the
-// totals are scaled, then the bias added, as they are stored. NF4 weights (4-bit codes, an absmax
-// per output and 64 inputs) are looked up and scaled as they are read, then multiply as fp32 ones.
+// totals are scaled, then the bias added, as they are stored. They multiply bf16 rows as bf16
+// ones do, each pair widened to bf16, the totals rounded before and after their scales. NF4
+// weights (4-bit codes, an absmax per output and 64 inputs) are looked up and scaled as they are
+// read, then multiply as fp32 ones.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -117,6 +119,7 @@ struct Int8 {
     static void madd(Lanes* acc, const float* x, const int8_t* w) {
         for (int v = 0; v < kPanelVecs; ++v) acc[v] += *x * widened(w + v * kLanes);
     }
+    static Vec scaled(Vec total, Vec scale, Vec bias) { return total * scale + bias; }
 };
 
 // fp32 rows times NF4 weights (bitsandbytes' 4-bit NormalFloat, kernels/nf4_linear.py): a weight is
@@ -223,6 +226,46 @@ struct Nf4Bf16 {
         Bf16::madd(acc, x, reinterpret_cast<const uint16_t*>(w.pairs));
     }
 };
+
+// Bf16's tiles whose totals are then rounded to bf16, times their scales rounded to bf16, rounded,
+// plus the biases, as kernels/int8_linear.py's ops round each result to the rows' dtype: the kind
+// that multiplies Int8Bf16's weights once widened (panel()).
+struct ScaledBf16 : Bf16 {
+    static constexpr bool kScaled = true;
+    static Vec scaled(Vec total, Vec scale, Vec bias) {
+        return rounded<uint16_t>(rounded<uint16_t>(total) * rounded<uint16_t>(scale)) + bias;
+    }
+};
+
+// bf16 rows times int8 weights (torchao's weight-only int8 under bf16 activations), in Int8's
+// layout: each pair of weights widened to bf16 (exact: |q| <= 128), multiplied and summed as
+// Bf16's, the totals scaled as ScaledBf16's.
+struct Int8Bf16 {
+    using T = uint16_t;
+    using W = int8_t;
+    static constexpr int64_t kStep = 2, kBits = 8;
+    static constexpr bool kScaled = true;
+    // widened once a panel where more than one tile reads it: decode steps at 32 and 128 rows so
+    // took 1.23x and 1.04x dense bf16's time, where widened in every tile they took 1.44x and 1.67x
+    using Dense = ScaledBf16;
+    static constexpr int64_t kLookupTiles = 1;
+    using Step = Nf4Bf16::Step;  // Bf16's layout
+    static int64_t block(const Linear& s) { return s.inputs; }
+    static void unpack(const Step& step, uint16_t* out) { Nf4Bf16::unpack(step, out); }
+    // w: the step's two inputs' rows of kCols weights
+    static Step weights(const int8_t* w, const float*, int64_t) {
+        Step step;
+        for (int v = 0; v < kPanelVecs; ++v) {
+            const Lanes first = Int8::widened(w + v * kLanes), second = Int8::widened(w + kCols + v * kLanes);
+            step.pairs[v] = (__m512i)(bf16_bits(first) | (bf16_bits(second) << 16));
+        }
+        return step;
+    }
+    static void madd(Lanes* acc, const uint16_t* x, const Step& w) {
+        Bf16::madd(acc, x, reinterpret_cast<const uint16_t*>(w.pairs));
+    }
+    static Vec scaled(Vec total, Vec scale, Vec bias) { return ScaledBf16::scaled(total, scale, bias); }
+};
 #endif
 
 // A panel's `cols` values of `from` (biases or scales) widened to fp32, the rest (all, where
@@ -267,7 +310,7 @@ void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], const En
         T* to = cols == kCols ? yr : last;
         for (int64_t c = 0; c < kCols; c += kVec) {
             Vec out = sixteen(total[r], c);
-            if constexpr (Kind::kScaled) out = out * sixteen(ends.scale, c) + sixteen(ends.bias, c);
+            if constexpr (Kind::kScaled) out = Kind::scaled(out, sixteen(ends.scale, c), sixteen(ends.bias, c));
             store(to + c, out);
         }
         if (to == last) std::copy(last, last + cols, yr);
@@ -334,7 +377,8 @@ void tiles(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int6
     }
 }
 
-// Whether a kind looks its weights up (NF4): Kind::Dense then multiplies what it looks up.
+// Whether a kind looks its weights up (NF4; int8 under bf16 rows, widening them): Kind::Dense then
+// multiplies what it looks up.
 template <typename Kind, typename = void>
 constexpr bool kLooksUp = false;
 template <typename Kind>

@@ -45,7 +45,8 @@ class DenseWeight(nn.Module):
 
 class Int8Weight(nn.Module):
     """torchao's Int8WeightOnlyConfig: rows quantized symmetrically to int8, one fp32 scale each.
-    On a CPU, fp32 activations multiply them in kernels/cpu_linear.py's panels once pack() ran."""
+    On a CPU, fp32 activations (and bf16 ones, with AVX512-BF16) multiply them in
+    kernels/cpu_linear.py's panels once pack() ran."""
 
     def __init__(self, out_features: int, in_features: int, slice_sizes, dtype, device):
         super().__init__()
@@ -66,9 +67,10 @@ class Int8Weight(nn.Module):
         self.scale[offset : offset + q.shape[0]] = scale
 
     def pack(self, linear: CpuLinear | None) -> None:
-        """Once loaded, on a CPU with fp32 activations: q laid out in `linear`'s panels, each
-        weight widened as the kernel reads it (torch's path casts all of q at every call)."""
-        if self.dtype == torch.float32 and linear is not None and linear.runs(self.q):
+        """Once loaded, on a CPU with fp32 activations (or bf16 where it has AVX512-BF16): q laid
+        out in `linear`'s panels, each weight widened as the kernel reads it (torch's path casts all
+        of q at every call)."""
+        if linear is not None and linear.runs(self.q, self.dtype):
             self.q, self.linear = linear.pack(self.q), linear  # [panels, in, columns]
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

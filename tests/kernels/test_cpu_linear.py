@@ -2,7 +2,8 @@
 (fp32 and int8 weights: blocked; bf16: one fp32 sum rounded once): every row tile (8 rows, and 1
 to 7 left), input blocks whole and cut short, panels whole and the last one partial, with and
 without bias, x read at its row stride. NF4 weights against the fp32 tiles on their dequantized
-values (which bitsandbytes' are checked against in test_nf4_linear.py), bit for bit. That fp32
+values (which bitsandbytes' are checked against in test_nf4_linear.py), bit for bit; int8 ones
+under bf16 rows against the bf16 tiles' sums rounded as int8_linear rounds them, bit for bit. That fp32
 sums in blocks (and not in one pass) is asserted in
 tests/inference_service/model/test_packed_weight.py."""
 
@@ -140,7 +141,31 @@ def test_int8_weights_are_packed_as_fp32_ones_and_need_their_scales(kernel):
     with pytest.raises(AssertionError):
         kernel(x, panels, 100, None)  # without its scales
     with pytest.raises(AssertionError):
-        kernel(x.bfloat16(), panels, 100, None, scale)  # int8 weights take fp32 rows
+        kernel(x.half(), panels, 100, None, scale)  # int8 weights take fp32 or bf16 rows
+    assert not kernel.runs(q, torch.float16)
+    assert not kernel.runs(torch.zeros(4, 63, dtype=torch.int8), torch.bfloat16)  # inputs not in pairs
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77])
+@pytest.mark.parametrize("inputs", [18, SUM_BLOCK + 2, 1536])
+@pytest.mark.parametrize("out", [48, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weights_under_bf16_rows_round_as_int8_linear_does_the_bf16_tiles_sums(
+    kernel, tokens, inputs, out, bias
+):
+    """bf16 rows on int8 weights, where the CPU has AVX512-BF16: the bf16 tiles' sums of the
+    weights widened to bf16 (exact), each rounded to bf16, times its scale rounded to bf16,
+    rounded, plus the bias, rounded: kernels/int8_linear.py's ops on those sums, bit for bit (the
+    sums themselves are held to their bound by test_linear_matches_the_exact_product)."""
+    if not kernel.runs(torch.zeros(1, 2, dtype=torch.int8), torch.bfloat16):
+        pytest.skip("no int8 kernel for bf16 rows in this build (no AVX512-BF16)")
+    x, weight, b = _case(tokens, inputs, out, bias, tokens * inputs + out, torch.bfloat16)
+    q, scale = quantize_int8_rows(weight.float())
+    y = kernel(x, kernel.pack(q), out, b, scale)
+    assert y.shape == (tokens, out) and y.dtype == torch.bfloat16
+    sums = kernel(x, kernel.pack(q.bfloat16()), out, None)  # [tokens, out] bf16
+    expected = sums * scale.bfloat16() + (0 if b is None else b)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77])

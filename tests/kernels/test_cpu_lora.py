@@ -107,7 +107,8 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
     [
         torch.float32,
         torch.bfloat16,
-        torch.int8,
+        pytest.param((torch.int8, torch.float32), id="int8"),
+        pytest.param((torch.int8, torch.bfloat16), id="int8-bf16"),
         pytest.param((torch.uint8, torch.float32), id="nf4"),
         pytest.param((torch.uint8, torch.bfloat16), id="nf4-bf16"),
     ],
@@ -120,12 +121,11 @@ def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
     (whose rounding the test above checks against PEFT's): outputs that are not a whole number of
     panels (40), a panel that straddles two slices (72, 24, 24), base-model tokens among the
     adapters' (every third, where there are several), segments longer than a task. int8 weights
-    (fp32 activations) with a scale per output: (x W^T) * scale + b; NF4 weights (fp32 or bf16
-    activations, blocks of 64 inputs) with their absmax."""
+    with a scale per output: (x W^T) * scale + b; NF4 weights (blocks of 64 inputs) with their
+    absmax; both under fp32 or bf16 activations."""
     linear, why = CpuLinear.load(target=target)
     assert linear is not None, why
     weights, dtype = weights if isinstance(weights, tuple) else (weights, weights)  # the activations'
-    dtype = torch.float32 if weights == torch.int8 else dtype
     inputs = 64 if weights == torch.uint8 else 40
     first_target, sizes = SLICES[slices]
     _, pool, _, table = case(spread, slices, 3 if tokens > 1 else 0, dtype, tokens, inputs, sizes)
@@ -133,12 +133,14 @@ def test_a_layer_and_its_adapters_in_one_call_are_the_linear_then_shrink_expand(
     weight = torch.randn(sum(sizes), inputs, generator=generator).to(dtype)
     b = torch.randn(sum(sizes), generator=generator).to(dtype) if bias else None
     x = torch.randn(tokens, inputs, generator=generator).to(dtype)
-    if weights == torch.uint8 and not linear.runs_nf4(torch.zeros(1, dtype=weights), inputs, dtype):
-        pytest.skip(f"no NF4 linear kernel for {dtype} rows in this build (no AVX512-BF16)")
+    if weights == torch.uint8:
+        runs = linear.runs_nf4(torch.zeros(1, dtype=weights), inputs, dtype)
+    else:
+        runs = linear.runs(torch.zeros(1, inputs, dtype=weights), dtype)
+    if not runs:  # bf16 rows on a CPU without AVX512-BF16: their layers take torch's path
+        pytest.skip(f"no {weights} linear kernel for {dtype} rows in this build (no AVX512-BF16)")
     if weights in (torch.int8, torch.uint8):
         panels, scale = _quantized_panels(linear, weight.float(), weights)
-    elif not linear.runs(weight):  # bf16 on a CPU without AVX512-BF16: its layers take oneDNN's
-        pytest.skip(f"no {dtype} linear kernel in this build (no AVX512-BF16)")
     else:
         panels, scale = linear.pack(weight), None
     step = kernel.step(table)

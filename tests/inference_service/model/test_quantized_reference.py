@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from inference_service.engine.block_manager import BlockManager
-from inference_service.model.base_weight import Nf4Weight
+from inference_service.model.base_weight import Int8Weight, Nf4Weight
 from inference_service.model.forward_batch import SequenceInput
 from inference_service.model.lora_linear import LoRALinear
 from kernels.cpu_linear import CpuLinear
@@ -157,15 +157,58 @@ def test_bf16_rows_on_an_nf4_base_give_the_dense_bf16_logits_of_its_dequantized_
     save_file(weights, dense_dir / "model.safetensors", metadata={"format": "pt"})
     nf4, slots, _ = _runner(model_dir, adapter_dirs, "nf4", dtype="bfloat16")
     dense, _, _ = _runner(dense_dir, adapter_dirs, dtype="bfloat16")
-    layers = [m for m in nf4.model.modules() if isinstance(m, LoRALinear)]
-    assert layers and all(isinstance(m.base, Nf4Weight) and m.base.linear is not None for m in layers)
-    assert all(m.panels is not None for m in layers)  # with their adapters in the same call
-    rows = [(name, 5 + i) for i, name in enumerate([*adapter_dirs, None])]
+    _assert_takes_the_kernel(nf4, Nf4Weight)
+    _assert_same_logits(nf4, dense, [*adapter_dirs], slots)
+
+
+def test_bf16_rows_on_an_int8_base_round_as_int8_linear_does_the_dense_bf16_sums(models):
+    """bf16 activations on int8 weights take the compiled kernel where the CPU has AVX512-BF16, each
+    pair of weights widened to bf16: a mixed batch's prefill and decode logits equal, bit for bit,
+    those of the same base whose int8 layers multiply the weights as dense bf16 ones, then round as
+    kernels/int8_linear.py's ops do (times the scale, plus the bias), their adapters added apart."""
+    linear, _ = CpuLinear.load()
+    if linear is None or not linear.runs(torch.zeros(1, 2, dtype=torch.int8), torch.bfloat16):
+        pytest.skip("no int8 kernel for bf16 rows here (no AVX512-BF16)")
+    model_dir, adapter_dirs = models["llama"]
+    int8, slots, _ = _runner(model_dir, adapter_dirs, "int8", dtype="bfloat16")
+    apart, _, _ = _runner(model_dir, adapter_dirs, "int8", dtype="bfloat16")
+    _assert_takes_the_kernel(int8, Int8Weight)
+    for layer in (m for m in apart.model.modules() if isinstance(m, LoRALinear)):
+        layer.base.forward, layer.panels = _dense_bf16_then_int8_roundings(layer.base, linear), None
+    _assert_same_logits(int8, apart, [*adapter_dirs], slots)
+
+
+def _dense_bf16_then_int8_roundings(base: Int8Weight, linear: CpuLinear):
+    """A forward for `base` (packed: q in linear's panels): x times q widened to bf16 in the dense
+    bf16 panels, times the scales and plus the bias as torch rounds each op in bf16."""
+    out = base.scale.shape[0]
+    q = base.q.transpose(1, 2).reshape(-1, base.q.shape[1])[:out]  # [out, in] from [panels, in, columns]
+    dense = linear.pack(q.bfloat16())  # [panels, in, columns] bf16
+
+    def forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = linear(x, dense, out, None) * base.scale.bfloat16()  # [tokens, out]
+        return y if bias is None else y + bias
+
+    return forward
+
+
+def _assert_takes_the_kernel(runner, kind) -> None:
+    """Every linear layer of `runner` holds `kind` weights in the compiled kernel's panels, its
+    adapters added in the same call."""
+    layers = [m for m in runner.model.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(isinstance(m.base, kind) and m.base.linear is not None for m in layers)
+    assert all(m.panels is not None for m in layers)
+
+
+def _assert_same_logits(ours, expected, adapters: list[str], slots: dict[str, int]) -> None:
+    """A mixed batch (each adapter and the base model) prefilled, then 3 decode steps on
+    `expected`'s greedy tokens: the two runners' logits equal at every step, bit for bit."""
+    rows = [(name, 5 + i) for i, name in enumerate([*adapters, None])]
     gen = torch.Generator().manual_seed(3)
     sequences = [torch.randint(3, 160, (n,), generator=gen).tolist() for _, n in rows]
     slot_of = [-1 if a is None else slots[a] for a, _ in rows]
-    blocks = {runner: BlockManager(runner.num_blocks) for runner in (nf4, dense)}
-    tables = {runner: [blocks[runner].allocate(8) for _ in rows] for runner in (nf4, dense)}
+    blocks = {runner: BlockManager(runner.num_blocks) for runner in (ours, expected)}
+    tables = {runner: [blocks[runner].allocate(8) for _ in rows] for runner in (ours, expected)}
 
     def step(runner, prefill: bool) -> torch.Tensor:
         inputs = [
@@ -174,12 +217,12 @@ def test_bf16_rows_on_an_nf4_base_give_the_dense_bf16_logits_of_its_dequantized_
         ]
         return runner.forward(inputs, all_logits=prefill)
 
-    for i in range(4):  # the prefill, then decode steps on the dense base's greedy tokens
-        ours, expected = step(nf4, i == 0), step(dense, i == 0)
-        assert ours.dtype == expected.dtype == torch.float32  # a bf16 model's logits, widened
-        assert torch.equal(ours.view(torch.int32), expected.view(torch.int32)), i
+    for i in range(4):  # the prefill, then decode steps
+        got, want = step(ours, i == 0), step(expected, i == 0)
+        assert got.dtype == want.dtype == torch.float32  # a bf16 model's logits, widened
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), i
         last = torch.tensor([len(s) for s in sequences]).cumsum(0) - 1 if i == 0 else torch.arange(len(rows))
-        for s, token in zip(sequences, expected[last].argmax(dim=-1).tolist(), strict=True):
+        for s, token in zip(sequences, want[last].argmax(dim=-1).tolist(), strict=True):
             s.append(token)
 
 
