@@ -8,9 +8,12 @@ prefill 8 prompts of 512 tokens, one per adapter, on each LoRA path, and without
 same adapters are a smaller share of each layer's work. `--against REV` adds the kernels of an
 earlier commit (kernels/cpu_lora.cpp and its headers at that git revision, built here) as one
 more arm, so that a change to them is measured side by side in the same engine and rounds.
+`--spread` measures instead the requests' adapters spread over 1, 2, 4 and 8 of the 8 (request i
+takes adapter i mod n): every step multiplies the same ranks on the same targets, so the same LoRA
+FLOPs, over 1 to 8 adapters' pages; `--requests` sets the batch (default 32).
 
     .venv/bin/python -m bench.cpu_lora [--dtypes float32 bfloat16] [--rounds 4] [--model larger]
-        [--against REV]
+        [--against REV | --spread [--requests N]]
 """
 
 import argparse
@@ -33,6 +36,7 @@ from kernels.cpu_lora import CpuLora
 from shared.model_config import ModelConfig
 
 ADAPTERS, RANK, PROMPT, LONG_PROMPT = 8, 16, 32, 512
+SPREADS = (1, 2, 4, 8)  # distinct adapters among a step's requests (--spread)
 STEPS = 8  # decode steps a round times, one at a time (the median is the round's)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,6 +127,19 @@ def compare(
     )
 
 
+def spread(model_dir: Path, dtype: str, folders: list[Path], rounds: int, requests: int) -> str:
+    """Decode steps of `requests` requests without adapters and with each of SPREADS distinct
+    adapters among them, alternating in rounds: base / adapters for each spread."""
+    engine = loramux_engine(model_dir, dtype, requests, LONG_PROMPT + 8, folders)
+    kernels = engine.runner.cpu_kernels
+    arms = {"base": ([None] * requests, kernels)}
+    for n in SPREADS:
+        arms[n] = ([folders[i % n].name for i in range(requests)], kernels)
+    step = decode_steps(engine, arms, rounds)
+    ratios = "".join(f"  {step['base'] / step[n]:10.3f}" for n in SPREADS)
+    return f"{dtype:9s} {requests:8d}  {step['base'] * 1e3:7.2f}{ratios}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -130,16 +147,25 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--model", choices=["default", "larger"], default="default")
-    parser.add_argument("--against", metavar="REV", help="also the kernels of this git revision")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--against", metavar="REV", help="also the kernels of this git revision")
+    choice.add_argument("--spread", action="store_true", help="the same adapters over 1 to 8 distinct ones")
+    parser.add_argument("--requests", type=int, default=REQUESTS, help="the batch of --spread")
     args = parser.parse_args()
+    if args.requests != REQUESTS and not args.spread:
+        parser.error("--requests sets the batch of --spread")
     model_dir = default_model_dir()
     if args.model == "larger":
         model_dir = larger_llama(model_dir.parent)
-    print(
-        "dtype     base ms  kernels ms  gathered ms  base/kernels  base/gathered"
-        "  prefill s: base  kernels  gathered  base/kernels"
-        "  batch 1: base ms  kernels ms  base/kernels  base/gathered"
-    )
+    if args.spread:
+        spreads = "".join(f"  base/{n:<2d} adpt" for n in SPREADS)
+        print(f"dtype     requests  base ms{spreads}")
+    else:
+        print(
+            "dtype     base ms  kernels ms  gathered ms  base/kernels  base/gathered"
+            "  prefill s: base  kernels  gathered  base/kernels"
+            "  batch 1: base ms  kernels ms  base/kernels  base/gathered"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         model = ModelConfig.from_dir(model_dir)
         folders = [
@@ -148,7 +174,10 @@ def main() -> None:
         ]
         against = (args.against, kernels_at(args.against, Path(tmp))) if args.against else None
         for dtype in args.dtypes:
-            print(compare(model_dir, dtype, folders, args.rounds, against))
+            if args.spread:
+                print(spread(model_dir, dtype, folders, args.rounds, args.requests))
+            else:
+                print(compare(model_dir, dtype, folders, args.rounds, against))
 
 
 if __name__ == "__main__":
