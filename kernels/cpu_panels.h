@@ -245,19 +245,20 @@ struct Int8Bf16 {
     using W = int8_t;
     static constexpr int64_t kStep = 2, kBits = 8;
     static constexpr bool kScaled = true;
-    // widened once a panel where more than one tile reads it: decode steps at 32 and 128 rows so
-    // took 1.23x and 1.04x dense bf16's time, where widened in every tile they took 1.44x and 1.67x
+    // widened once a panel where more than 4 tiles read it: decode steps (engines alternating) at 32
+    // rows took 0.99x dense bf16's time widening in every tile, 1.14x widening once; at 128 rows
+    // 1.09x and 1.05x
     using Dense = ScaledBf16;
-    static constexpr int64_t kLookupTiles = 1;
+    static constexpr int64_t kLookupTiles = 4;
     using Step = Nf4Bf16::Step;  // Bf16's layout
     static int64_t block(const Linear& s) { return s.inputs; }
     static void unpack(const Step& step, uint16_t* out) { Nf4Bf16::unpack(step, out); }
     // w: the step's two inputs' rows of kCols weights
     static Step weights(const int8_t* w, const float*, int64_t) {
         Step step;
-        for (int v = 0; v < kPanelVecs; ++v) {
-            const Lanes first = Int8::widened(w + v * kLanes), second = Int8::widened(w + kCols + v * kLanes);
-            step.pairs[v] = (__m512i)(bf16_bits(first) | (bf16_bits(second) << 16));
+        for (int v = 0; v < kPanelVecs; ++v) {  // a widened weight is a bf16 number: its bits' high half
+            const Bits first = (Bits)Int8::widened(w + v * kLanes), second = (Bits)Int8::widened(w + kCols + v * kLanes);
+            step.pairs[v] = (__m512i)((first >> 16) | (second & 0xffff0000u));
         }
         return step;
     }
