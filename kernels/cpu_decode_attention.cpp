@@ -37,10 +37,13 @@ struct Weights {
 template <typename T>
 struct Sequence {
     // A sequence's blocks lie anywhere in the cache, so the prefetchers cannot see where the next
-    // one starts: while a block is read, the one kAhead blocks on is asked for into L2, a few lines
-    // per head, which keeps reads in flight all through. At 100 sequences of 530 positions (bf16
-    // and fp32) a layer took 2.1x as long asking for nothing, 1.55x asking into L1, and 1 or 4
-    // blocks on were within 3% of 2.
+    // one starts: while a block is read, the one kAhead blocks on is asked for, a few lines at each
+    // step of the products (scores_of, values_of), which keeps reads in flight all through. At 100
+    // sequences of 530 positions (bf16 and fp32) a layer took 2.1x as long asking for nothing, and
+    // 1 or 4 blocks on were within 3% of 2. Asked for a head's share at once (into L2), the reads
+    // and the products took about the sum of their times apart; a few lines a step, into L1, decode
+    // attention at 1 and 32 sequences of 512 positions took 0.83 and 0.85 of that time in fp32, 0.84
+    // and 0.98 in bf16 (in an engine, the two builds alternating).
     static constexpr int64_t kAhead = 2;
     const Shape& s;
     const T* cache;  // [blocks, block_size, kv_heads, head_dim]
@@ -60,7 +63,7 @@ struct Sequence {
 
     // Asks for up to n more lines of the block kAhead on.
     void ask(int64_t n) {
-        for (; n > 0 && asked < lines; --n, ++asked) __builtin_prefetch(next + 64 * asked, 0, 2);
+        for (; n > 0 && asked < lines; --n, ++asked) __builtin_prefetch(next + 64 * asked, 0, 3);
     }
 
     const T* raw(int64_t b) const { return cache + table[b] * s.block_size * row; }  // in the cache
@@ -107,17 +110,23 @@ Vec dot_step(Vec acc, const uint16_t* q, const uint16_t* key) {
 }
 #endif
 
+// The elements of q a dot_step takes.
+template <typename Q>
+constexpr int64_t kDotStep = std::is_same_v<Q, float> ? kVec : 2 * kVec;
+
 // Lane i: q . keys[i] over hd elements, for n <= kVec keys `row` elements apart (lanes past n
 // repeat the last key); q is fp32, or bf16 where dot_step takes pairs. Each key's products are
 // summed in a vector, all sixteen in registers, and the vectors' lanes then all at once (lane_sums).
-template <typename Q, typename T>
-Vec key_dots(const Q* q, const T* keys, int64_t row, int64_t n, int64_t hd) {
-    constexpr int64_t step = std::is_same_v<Q, float> ? kVec : 2 * kVec;  // elements a dot_step takes
+// ask() before each step's products.
+template <typename Q, typename T, typename Ask>
+Vec key_dots(const Q* q, const T* keys, int64_t row, int64_t n, int64_t hd, Ask ask) {
+    constexpr int64_t step = kDotStep<Q>;
     const T* key[kVec];
     for (int64_t i = 0; i < kVec; ++i) key[i] = keys + std::min(i, n - 1) * row;
     Vec acc[kVec] = {};
     int64_t d = 0;
     for (; d + step <= hd; d += step) {
+        ask();
         for (int64_t i = 0; i < kVec; ++i) acc[i] = dot_step(acc[i], q + d, key[i] + d);
     }
     Vec sums = lane_sums(acc);
@@ -135,12 +144,13 @@ void scores_of(Sequence<T> seq, const Q* q, Weights& w) {
     const int64_t heads = s.kv_heads * s.group, hd = s.head_dim;
     const float factor = s.scale * kLog2e;
     seq.blocks([&](int64_t lo, int64_t hi, const T* keys) {
+        const int64_t steps = std::max<int64_t>(1, hd / kDotStep<Q>);
+        auto ask = [&] { seq.ask((seq.share + steps - 1) / steps); };  // a head's share over its steps
         for (int64_t h = 0; h < heads; ++h) {
-            seq.ask(seq.share);
             const T* k = keys + h / s.group * hd;  // position p's at k + (p - lo) * row
             for (int64_t p = lo; p < hi; p += kVec) {
                 const int64_t n = std::min<int64_t>(kVec, hi - p);
-                const Vec dots = key_dots(q + h * hd, k + (p - lo) * seq.row, seq.row, n, hd) * factor;
+                const Vec dots = key_dots(q + h * hd, k + (p - lo) * seq.row, seq.row, n, hd, ask) * factor;
                 std::memcpy(w.at(h, p), &dots, n * sizeof(float));
             }
         }
@@ -169,15 +179,17 @@ void softmax(Weights& w, int64_t heads) {
 }
 
 // out[h][d, d + V * kVec) += sum over positions [lo, hi) of probs[h][p] * values[p][d ..], for the
-// H query heads from h0 (of one kv head): H * V sums in registers, each over positions in order.
-template <int H, int V, typename T>
+// H query heads from h0 (of one kv head): H * V sums in registers, each over positions in order;
+// ask() before each position's products.
+template <int H, int V, typename T, typename Ask>
 void add_values(const Shape& s, const Weights& probs, const T* values, int64_t row, int64_t lo, int64_t hi,
-                int64_t h0, int64_t d, float* out) {
+                int64_t h0, int64_t d, float* out, Ask ask) {
     Vec acc[H][V];
     for (int h = 0; h < H; ++h) {
         for (int v = 0; v < V; ++v) acc[h][v] = load(out + (h0 + h) * s.head_dim + d + v * kVec);
     }
     for (int64_t p = lo; p < hi; ++p) {
+        ask();
         const T* at = values + (p - lo) * row + d;
         Vec x[V];
         for (int v = 0; v < V; ++v) x[v] = load(at + v * kVec);
@@ -193,12 +205,14 @@ void add_values(const Shape& s, const Weights& probs, const T* values, int64_t r
 
 // add_values for n (1 to kHeads) query heads from h0, over every whole vector of head_dim.
 constexpr int64_t kHeads = 4;
-template <int H, typename T>
+template <int H, typename T, typename Ask>
 void add_heads(const Shape& s, const Weights& probs, const T* values, int64_t row, int64_t lo, int64_t hi,
-               int64_t h0, float* out) {
+               int64_t h0, float* out, Ask ask) {
     int64_t d = 0;
-    for (; d + 4 * kVec <= s.head_dim; d += 4 * kVec) add_values<H, 4>(s, probs, values, row, lo, hi, h0, d, out);
-    for (; d + kVec <= s.head_dim; d += kVec) add_values<H, 1>(s, probs, values, row, lo, hi, h0, d, out);
+    for (; d + 4 * kVec <= s.head_dim; d += 4 * kVec) {
+        add_values<H, 4>(s, probs, values, row, lo, hi, h0, d, out, ask);
+    }
+    for (; d + kVec <= s.head_dim; d += kVec) add_values<H, 1>(s, probs, values, row, lo, hi, h0, d, out, ask);
 }
 
 // out [heads, head_dim] = the weights times the values seen: for each block and kv head,
@@ -214,12 +228,13 @@ void values_of(Sequence<T> seq, const Weights& probs, float* out) {
             const T* v = values + kv * hd;  // position p's at v + (p - lo) * row
             for (int64_t h0 = kv * s.group; h0 < (kv + 1) * s.group; h0 += kHeads) {
                 const int64_t n = std::min(kHeads, (kv + 1) * s.group - h0);
-                seq.ask(seq.share * n);
+                const int64_t each = (seq.share * n + (hi - lo) - 1) / (hi - lo);
+                auto ask = [&] { seq.ask(each); };  // the heads' shares over the block's positions
                 switch (n) {
-                    case 1: add_heads<1>(s, probs, v, seq.row, lo, hi, h0, out); break;
-                    case 2: add_heads<2>(s, probs, v, seq.row, lo, hi, h0, out); break;
-                    case 3: add_heads<3>(s, probs, v, seq.row, lo, hi, h0, out); break;
-                    default: add_heads<4>(s, probs, v, seq.row, lo, hi, h0, out); break;
+                    case 1: add_heads<1>(s, probs, v, seq.row, lo, hi, h0, out, ask); break;
+                    case 2: add_heads<2>(s, probs, v, seq.row, lo, hi, h0, out, ask); break;
+                    case 3: add_heads<3>(s, probs, v, seq.row, lo, hi, h0, out, ask); break;
+                    default: add_heads<4>(s, probs, v, seq.row, lo, hi, h0, out, ask); break;
                 }
             }
             for (int64_t h = kv * s.group; h < (kv + 1) * s.group; ++h) {  // head_dim past whole vectors
