@@ -158,7 +158,7 @@ def main() -> None:
     if args.model == "larger":
         model_dir = larger_llama(model_dir.parent)
     if args.spread:
-        spreads = "".join(f"  base/{n:<2d} adpt" for n in SPREADS)
+        spreads = "".join(f"{f'base/{n} adpt':>12s}" for n in SPREADS)
         print(f"dtype     requests  base ms{spreads}")
     else:
         print(
