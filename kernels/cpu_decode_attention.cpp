@@ -143,9 +143,9 @@ void scores_of(Sequence<T> seq, const Q* q, Weights& w) {
     const Shape& s = seq.s;
     const int64_t heads = s.kv_heads * s.group, hd = s.head_dim;
     const float factor = s.scale * kLog2e;
+    const int64_t steps = std::max<int64_t>(1, hd / kDotStep<Q>), each = (seq.share + steps - 1) / steps;
+    auto ask = [&] { seq.ask(each); };  // a head's share over its steps
     seq.blocks([&](int64_t lo, int64_t hi, const T* keys) {
-        const int64_t steps = std::max<int64_t>(1, hd / kDotStep<Q>);
-        auto ask = [&] { seq.ask((seq.share + steps - 1) / steps); };  // a head's share over its steps
         for (int64_t h = 0; h < heads; ++h) {
             const T* k = keys + h / s.group * hd;  // position p's at k + (p - lo) * row
             for (int64_t p = lo; p < hi; p += kVec) {

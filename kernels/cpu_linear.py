@@ -152,15 +152,16 @@ def linear_shape(
 ) -> LinearShape:
     """The kernel's shape of y [tokens, out] = x W^T + b, once panels (pack()'s or pack_nf4's,
     of panels of `columns` outputs), the bias and the int8 weights' scales or NF4's absmax are
-    checked as the kernel reads them: of x's dtype (int8 or NF4 panels and fp32 scales or absmax
-    with fp32 or bf16 x), laid out one after another."""
+    checked as the kernel reads them: of x's dtype (int8 or NF4 panels with fp32 scales or
+    absmax), laid out one after another. Which pairs of weight and x dtypes a kernel takes, the
+    callers check (CpuLinear.__call__, CpuLora.runs_linear)."""
     (tokens, inputs), count = x.shape, -(-out // columns)
     nf4 = panels.dtype == torch.uint8
     assert panels.shape == (count, inputs // 2 if nf4 else inputs, columns) and panels.is_contiguous()
     if scale is None:
         assert panels.dtype == x.dtype
     else:
-        assert scale.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
+        assert scale.dtype == torch.float32
         assert panels.dtype in (torch.int8, torch.uint8)
         assert scale.is_contiguous()
         assert scale.shape == ((count, inputs // NF4_BLOCK, columns) if nf4 else (out,))

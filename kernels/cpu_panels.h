@@ -197,23 +197,33 @@ struct Nf4 {
 };
 
 #ifdef __AVX512BF16__
-// bf16 rows times NF4 weights: each weight looked up and scaled as Nf4's, rounded to bf16 as
-// dequantize_nf4 rounds it for bf16 activations, then multiplied in pairs and summed as Bf16's
-// (bit for bit the bf16 tiles on those weights).
-struct Nf4Bf16 {
+// What the kinds that widen their weights into bf16 pairs share: Bf16's step of two inputs, a
+// step's weights in Bf16's layout (a register per vector of outputs: lane c holds the first input's
+// weight, then the second's), Bf16's one block and its products.
+struct Bf16Pairs {
     using T = uint16_t;
-    using W = uint8_t;
-    static constexpr int64_t kStep = 2, kBits = 4;
-    static constexpr bool kScaled = false;
-    using Dense = Bf16;
-    static constexpr int64_t kLookupTiles = 1;
+    static constexpr int64_t kStep = 2;
     struct Step {
-        __m512i pairs[kPanelVecs];  // Bf16's layout: lane c holds the first input's weight, then the second's
+        __m512i pairs[kPanelVecs];
     };
     static int64_t block(const Linear& s) { return s.inputs; }
     static void unpack(const Step& step, uint16_t* out) {  // 2 * kCols bf16
         for (int v = 0; v < kPanelVecs; ++v) std::memcpy(out + 2 * v * kLanes, &step.pairs[v], sizeof(__m512i));
     }
+    static void madd(Lanes* acc, const uint16_t* x, const Step& w) {
+        Bf16::madd(acc, x, reinterpret_cast<const uint16_t*>(w.pairs));
+    }
+};
+
+// bf16 rows times NF4 weights: each weight looked up and scaled as Nf4's, rounded to bf16 as
+// dequantize_nf4 rounds it for bf16 activations, then multiplied in pairs and summed as Bf16's
+// (bit for bit the bf16 tiles on those weights).
+struct Nf4Bf16 : Bf16Pairs {
+    using W = uint8_t;
+    static constexpr int64_t kBits = 4;
+    static constexpr bool kScaled = false;
+    using Dense = Bf16;
+    static constexpr int64_t kLookupTiles = 1;
     static Step weights(const uint8_t* w, const float* absmax, int64_t k) {
         const Nf4::Step values = Nf4::weights(w, absmax, k);
         Step step;
@@ -221,9 +231,6 @@ struct Nf4Bf16 {
             step.pairs[v] = (__m512i)(bf16_bits(values.first[v]) | (bf16_bits(values.second[v]) << 16));
         }
         return step;
-    }
-    static void madd(Lanes* acc, const uint16_t* x, const Step& w) {
-        Bf16::madd(acc, x, reinterpret_cast<const uint16_t*>(w.pairs));
     }
 };
 
@@ -240,19 +247,15 @@ struct ScaledBf16 : Bf16 {
 // bf16 rows times int8 weights (torchao's weight-only int8 under bf16 activations), in Int8's
 // layout: each pair of weights widened to bf16 (exact: |q| <= 128), multiplied and summed as
 // Bf16's, the totals scaled as ScaledBf16's.
-struct Int8Bf16 {
-    using T = uint16_t;
+struct Int8Bf16 : Bf16Pairs {
     using W = int8_t;
-    static constexpr int64_t kStep = 2, kBits = 8;
+    static constexpr int64_t kBits = 8;
     static constexpr bool kScaled = true;
     // widened once a panel where more than 4 tiles read it: decode steps (engines alternating) at 32
     // rows took 0.99x dense bf16's time widening in every tile, 1.14x widening once; at 128 rows
     // 1.09x and 1.05x
     using Dense = ScaledBf16;
     static constexpr int64_t kLookupTiles = 4;
-    using Step = Nf4Bf16::Step;  // Bf16's layout
-    static int64_t block(const Linear& s) { return s.inputs; }
-    static void unpack(const Step& step, uint16_t* out) { Nf4Bf16::unpack(step, out); }
     // w: the step's two inputs' rows of kCols weights
     static Step weights(const int8_t* w, const float*, int64_t) {
         Step step;
@@ -261,9 +264,6 @@ struct Int8Bf16 {
             step.pairs[v] = (__m512i)((first >> 16) | (second & 0xffff0000u));
         }
         return step;
-    }
-    static void madd(Lanes* acc, const uint16_t* x, const Step& w) {
-        Bf16::madd(acc, x, reinterpret_cast<const uint16_t*>(w.pairs));
     }
     static Vec scaled(Vec total, Vec scale, Vec bias) { return ScaledBf16::scaled(total, scale, bias); }
 };
