@@ -47,10 +47,13 @@ class Job:
 
 @dataclass(frozen=True)
 class Run:
-    """One side's pass over the workload: wall seconds of the whole call, each job's tokens."""
+    """One side's pass over the workload: wall seconds of the whole call, each job's tokens, and
+    where the side timed it (bench/peers.py), the seconds from the last job's first token to the
+    last token."""
 
     seconds: float
     outputs: list[list[int]]
+    decode_s: float | None = None
 
 
 def workload(vocab_size: int, seed: int = SEED) -> list[Job]:

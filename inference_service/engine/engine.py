@@ -190,14 +190,22 @@ class Engine:
             if seq is not None:  # already finished, or never submitted
                 self._finish(seq, "abort")
 
-    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+    def generate(
+        self, requests: list[Request], on_delta: Callable[[Delta], None] | None = None
+    ) -> list[RequestOutput]:
         """Run the requests to completion, stepping as the engine thread would (EngineThread.drive);
-        outputs in request order."""
+        outputs in request order. `on_delta`, if given, also gets each delta as its step ends."""
         if self._thread.started:
             raise RuntimeError("generate() drives steps itself; use stream() while the engine thread runs")
         deltas: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
+
+        def sink(delta: Delta) -> None:
+            deltas[delta.request_id].append(delta)
+            if on_delta is not None:
+                on_delta(delta)
+
         for r in requests:
-            self.submit(r, deltas[r.request_id].append)
+            self.submit(r, sink)
         self._thread.drive(lambda: all(d and d[-1].finish_reason is not None for d in deltas.values()))
         return [RequestOutput.collect(deltas[r.request_id]) for r in requests]
 

@@ -1,18 +1,23 @@
 import argparse
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import peers
 from bench.hf_peft import Run
 from bench.peers import (
     ADAPTERS,
+    STEP_TOKENS,
     WARM_UP_TOKENS,
     CpuSample,
     Grid,
     cpu_jiffies,
     cpu_list,
     grid_from,
+    loramux_engine,
+    loramux_runner,
     others_cpus,
     peer_env,
     summary,
@@ -28,6 +33,7 @@ VERSIONS = {"vllm": "0.32.0", "torch": "2.13.0+cpu"}
 def args(*given: str) -> argparse.Namespace:
     parsed = {"quick": "--quick" in given, "dtypes": None, "prompts": None, "batches": None, "repeats": 3}
     parsed["base_only"] = "--base-only" in given
+    parsed["decode_alone"] = "--decode-alone" in given
     if "--batches" in given:
         parsed["batches"] = [int(b) for b in given[given.index("--batches") + 1 :]]
     return argparse.Namespace(**parsed)
@@ -193,3 +199,72 @@ def test_other_work_is_the_machines_less_this_process_trees(monkeypatch):
     # 100 busy jiffies of 200 (2 CPUs over 100 ticks), 60 of them ours: 40 / 100 = 0.4 CPUs
     assert others_cpus(CpuSample(0, 0, 0), CpuSample(100, 200, 60)) == 0.4
     assert others_cpus(CpuSample(0, 0, 0), CpuSample(50, 200, 60)) == 0.0
+
+
+def test_decode_alone_takes_every_prompt_in_one_step_on_both_sides():
+    grid = grid_from(args("--decode-alone"), set())
+    assert grid.decode_alone and grid.step_tokens(32) == 32 * (512 + 32 + 16)
+    assert grid_from(args(), set()).step_tokens(32) == STEP_TOKENS
+
+
+def test_decode_alone_times_the_call_alone_and_keeps_the_median_decode_seconds(monkeypatch):
+    monkeypatch.setattr(peers, "wait_for_quiet", lambda: 0.0)
+    monkeypatch.setattr(peers, "others_cpus", lambda before, after: 0.0)
+    monkeypatch.setattr(peers, "SETTLE_S", 0.0)
+    made = iter([(1.2, 0.4), (1.0, 0.2), (0.9, 0.3), (5.0, 5.0)])  # (seconds, decode_s)
+    asked = []
+
+    def run(prompts, adapters, tokens):
+        asked.append(tokens)
+        seconds, decode = next(made)
+        return Run(seconds, [[tokens]], decode)
+
+    timed = time_side(run, [[1, 2]], [None], 32, alone=True)
+    assert asked == [32] * 3  # 1.2, 2.2, then 3.1 s: past ROUND_S, and no 1-token call
+    assert (timed["full_s"], timed["decode_s"]) == (1.0, 0.3) and "prefill_s" not in timed
+
+
+def test_decode_alone_rates_divide_by_the_decode_seconds_and_the_record_says_how():
+    base = cell(0, [(2.0, 1.0)] * 3, [(3.0, 1.0)] * 3)
+    for side, decode in (("loramux", [1.0, 0.5, 2.0]), ("vllm", [2.0, 2.0, 2.0])):
+        base[side]["decode_s"] = decode
+        del base[side]["prefill_s"]
+    agree = {
+        "float32": {"0": {"loramux": 4, "vllm": 4}, "ties": {}, "compared": {}},
+        "checked": 4,
+        "tokens": 32,
+    }
+    grid = Grid(("float32",), (32,), (32,), adapters=False, decode_alone=True)
+    result = summary([base], agree | {"batch": 32, "prompt": 32}, grid, [], (0.5, 1.25))
+    (line,) = result["table"]
+    # 992 decode tokens over 1, 0.5 and 2 s against 2 s each: ratios 2, 4, 1
+    assert (line["loramux base tok/s"], line["vLLM base tok/s"], line["base loramux / vLLM"]) == (
+        992.0,
+        496.0,
+        2.0,
+    )
+    assert result["rounds"][0]["loramux"]["decode_s"] == [1.0, 0.5, 2.0]
+    assert "every prompt in one step (batch x 80 tokens a step: --decode-alone)" in result["setup"]
+    assert "from the last request's first token to the last token" in result["setup"]
+    assert "its call made again" in result["setup"] and "1-token call" not in result["setup"]
+
+
+def test_loramux_decode_seconds_are_the_steps_after_every_first_token(tiny_models):
+    """In one step every prompt draws its first token; decode_s spans the steps after it."""
+    engine = loramux_engine(tiny_models["llama"], "float32", 4, 64, [], step_tokens=4 * 64)
+    spans: list[tuple[float, float]] = []
+    step = engine.runner.run
+
+    def timed(chunks):
+        start = time.perf_counter()
+        out = step(chunks)
+        spans.append((start, time.perf_counter()))
+        return out
+
+    engine.runner.run = timed
+    prompts = [[5 + i] * (3 + 2 * i) for i in range(4)]
+    with torch.inference_mode():
+        ran = loramux_runner(engine)(prompts, [None] * 4, 6)
+    assert [len(o) for o in ran.outputs] == [6] * 4 and len(spans) == 6  # a prefill step, 5 decode steps
+    prefill, decode_steps = spans[0][1] - spans[0][0], sum(end - start for start, end in spans[1:])
+    assert decode_steps <= ran.decode_s < ran.seconds - prefill

@@ -323,6 +323,26 @@ class _LockStep:
         return self._run(chunks)
 
 
+def test_generate_hands_on_delta_each_delta_as_its_step_ends(tiny_models, tiny_adapters):
+    """What bench.peers times decode by: deltas in each request's order, as the steps make them,
+    not collected at the end."""
+    engine = _engine(tiny_models, tiny_adapters)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    requests = [
+        Request(p, a, params) for p, a in zip(_prompts([4, 6, 3]), [None, "all8", "qv4"], strict=True)
+    ]
+    runs, seen = [], []  # seen: (the model runs so far, a delta)
+    run = engine.runner.run
+    engine.runner.run = lambda chunks: (runs.append(1), run(chunks))[1]
+    outputs = engine.generate(requests, on_delta=lambda d: seen.append((len(runs), d)))
+    for request, output in zip(requests, outputs, strict=True):
+        mine = [(step, d) for step, d in seen if d.request_id == request.request_id]
+        assert [t for _, d in mine for t in d.token_ids] == output.token_ids and len(output.token_ids) == 5
+        assert mine[-1][1].finish_reason == "length" and all(d.finish_reason is None for _, d in mine[:-1])
+        tokens_at = [step for step, d in mine if d.token_ids]
+        assert tokens_at == sorted(set(tokens_at))  # one token a step, handed over as that step ended
+
+
 def test_stream_yields_deltas_and_closing_it_aborts(tiny_models, tiny_adapters):
     import asyncio
 
