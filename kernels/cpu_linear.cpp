@@ -6,16 +6,15 @@ namespace {
 
 template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
 void linear(const Linear* s, const T* x, const W* w, const T* bias, T* y) {
-#pragma omp parallel for schedule(static) if (s->rows * s->out * s->inputs > 1 << 18)
-    for (int64_t p = 0; p < s->panels; ++p) {
-        NoLines none;
-        panel<Kind>(*s, x, w, bias, y, p, none);
-    }
+#pragma omp parallel if (s->rows * s->out * s->inputs > 1 << 18)
+    panels_by_blocks<Kind>(*s, x, w, bias, y);
 }
 
 }  // namespace
 
 extern "C" int64_t linear_panel_columns() { return kCols; }
+
+extern "C" int64_t linear_block_rows() { return kBlockRows; }
 
 extern "C" void linear_float32(const Linear* s, const float* x, const float* w, const float* bias, float* y) {
     linear<Fp32>(s, x, w, bias, y);

@@ -62,6 +62,8 @@ class CpuLinear(CompiledKernel):
         self._functions = taking_pointers(present_functions(library, names), 5)
         library.linear_panel_columns.restype = ctypes.c_int64
         self.columns = library.linear_panel_columns()  # the outputs a panel holds
+        library.linear_block_rows.restype = ctypes.c_int64
+        self.block_rows = library.linear_block_rows()  # the rows of x the panels stream past at a time
 
     def runs(self, weight: torch.Tensor, activations: torch.dtype | None = None) -> bool:
         """Whether this kernel multiplies rows of `activations` (default: the weight's dtype; fp32

@@ -440,9 +440,7 @@ void prefill_linear(const Linear& s, const Lora& a, const std::vector<Task>& tas
             ask_for_pages(a, tasks[i], p);
             shrink_task(a, tasks[i], x, p, rows_of(i));
         }
-        NoLines none;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(s, x, w, bias, y, p, none);
+        panels_by_blocks<Kind>(s, x, w, bias, y);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; ++i) expand_task(a, tasks[i], rows_of(i), Pages<T>(a, pool, tasks[i]), y);
     }

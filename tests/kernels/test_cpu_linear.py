@@ -74,6 +74,18 @@ def test_every_count_of_rows_past_the_last_whole_tile(kernel, dtype, tokens):
     assert_within(kernel(x, kernel.pack(weight), 50, b), exact, _bound(x, weight, b))
 
 
+def test_rows_of_later_blocks_are_summed_as_a_row_alone_is(kernel, dtype):
+    """Blocks of block_rows rows each meet every panel in turn; each row's sums are the same,
+    bit for bit, as a call of that row alone gives, the last block partial."""
+    rows = 2 * kernel.block_rows + 37
+    x, weight, b = _case(rows, 100, 150, True, 5, dtype)
+    panels = kernel.pack(weight)
+    y = kernel(x, panels, 150, b)
+    alone = torch.cat([kernel(x[i : i + 1], panels, 150, b) for i in range(rows)])
+    assert torch.equal(y, alone)
+    assert_within(y, F.linear(x.double(), weight.double(), b.double()), _bound(x, weight, b))
+
+
 def test_rows_of_a_wider_tensor_are_read_at_their_stride(kernel, dtype):
     x, weight, b = _case(11, 200, 60, True, 7, dtype)
     wide = torch.full((11, 300), float("nan"), dtype=dtype)

@@ -100,7 +100,7 @@ def test_shrink_expand_in_one_pass_rounds_as_peft(kernel, spread, slices, base_e
 
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize("slices", [1, 2, 3])
-@pytest.mark.parametrize("tokens", [1, 37, 75])
+@pytest.mark.parametrize("tokens", [1, 37, 75, 300])  # 300: rows in three blocks of CpuLinear.block_rows
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize(
     "weights",
