@@ -18,9 +18,10 @@ Where the two calls take under ROUND_S (3 s), as at batch 1, the side makes them
 until they have, and its round keeps the median seconds of each.
 --decode-alone measures decode apart from prefill instead. With 512-token prompts and 512 tokens a
 step, a batch's steps are mostly prefill with a few decode tokens beside it, and its decode rate is
-the small difference of two long calls: their prefill's noise swung it by 15%. Under
---decode-alone each step takes every prompt at once (batch x max_model_len tokens), so every
-request draws its first token in one step, and then the batch decodes alone:
+the small difference of two long calls: at batch 32 in fp32 their prefill's noise swung the rounds'
+loramux / vLLM from 0.79 to 1.33. Under --decode-alone each step takes every prompt at once (batch
+x max_model_len tokens), so every request draws its first token in one step, and then the batch
+decodes alone:
     decode tok/s = batch x (32 - 1) / (seconds from the last request's first token to the last token)
 inside the 32-token call (its only call), from each token's time: loramux's as Engine.generate
 hands over its deltas, vLLM's from RequestOutput.metrics (stats on: disable_log_stats=False).
@@ -95,7 +96,7 @@ TRIES = 3  # timings of a side's round, taken while other work ran, are taken ag
 # A side's round makes its two calls again until they took this long in all, and keeps the medians:
 # at batch 1 they take 0.6 s, and one call's seconds moved by 20% from round to round.
 ROUND_S = 3.0
-# what a side's round records beside its last outputs; and the seconds its decode rate divides by
+# what a side's round records beside its last outputs and its divisor()'s seconds
 ROUND_KEYS = ("full_s", "calls", "others_cpus", "tries", "quiet_wait_s")
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 SIDES = ("loramux", "vllm")
@@ -315,14 +316,14 @@ def time_side(
         if others < QUIET_CPUS or tries == TRIES:
             break
     full = [c[0] for c in calls]
-    divisor = (
+    apart = (  # what the decode rate divides by, or takes from the call's seconds
         {"decode_s": statistics.median(f.decode_s for f in full)}
         if alone
         else {"prefill_s": statistics.median(prefill.seconds for _, prefill in calls)}
     )
     return {
         "full_s": statistics.median(f.seconds for f in full),
-        **divisor,
+        **apart,
         "calls": len(calls),
         "others_cpus": round(others, 3),
         "tries": tries,
