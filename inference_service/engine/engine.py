@@ -32,7 +32,7 @@ from inference_service.engine.grammars import Grammars
 from inference_service.engine.inbox import Inbox
 from inference_service.engine.metrics import EngineMetrics, EngineStats
 from inference_service.engine.model_runner import ModelRunner
-from inference_service.engine.request import Delta, Request, RequestOutput
+from inference_service.engine.request import Delta, Request, RequestOutput, Sink
 from inference_service.engine.request_errors import left_constraint, overflowed
 from inference_service.engine.sampler import generator_for
 from inference_service.engine.scheduler import ScheduledChunk, Scheduler
@@ -158,7 +158,7 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------
 
-    def submit(self, request: Request, sink: Callable[[Delta], None]) -> None:
+    def submit(self, request: Request, sink: Sink) -> None:
         """Queue a request; `sink` receives its deltas from the stepping thread. A constrained
         request's constraint is compiled first, while this thread waits (stream() waits without
         holding one)."""
@@ -171,7 +171,7 @@ class Engine:
         if request.adapter is not None:
             self._require_adapter(request.adapter)
 
-    def _enqueue(self, request: Request, sink: Callable[[Delta], None], matcher: object | None) -> None:
+    def _enqueue(self, request: Request, sink: Sink, matcher: object | None) -> None:
         # the content it keeps to its end
         digest = self.loader.digest_of(request.adapter) if request.adapter is not None else None
         seq = Sequence.of(request, generator_for(request.params, self.runner.device), digest, matcher)
@@ -190,19 +190,16 @@ class Engine:
             if seq is not None:  # already finished, or never submitted
                 self._finish(seq, "abort")
 
-    def generate(
-        self, requests: list[Request], on_delta: Callable[[Delta], None] | None = None
-    ) -> list[RequestOutput]:
+    def generate(self, requests: list[Request], on_delta: Sink = lambda delta: None) -> list[RequestOutput]:
         """Run the requests to completion, stepping as the engine thread would (EngineThread.drive);
-        outputs in request order. `on_delta`, if given, also gets each delta as its step ends."""
+        outputs in request order. `on_delta` also gets each delta as its step ends."""
         if self._thread.started:
             raise RuntimeError("generate() drives steps itself; use stream() while the engine thread runs")
         deltas: dict[str, list[Delta]] = {r.request_id: [] for r in requests}
 
         def sink(delta: Delta) -> None:
             deltas[delta.request_id].append(delta)
-            if on_delta is not None:
-                on_delta(delta)
+            on_delta(delta)
 
         for r in requests:
             self.submit(r, sink)

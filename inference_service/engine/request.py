@@ -1,6 +1,7 @@
 """Request, Delta, RequestOutput: what callers hand the engine and what they get back."""
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inference_service.engine.sampler import TokenLogprobs
@@ -72,6 +73,9 @@ class Delta:
             last.cached_tokens,
             last.preemptions,
         )
+
+
+Sink = Callable[[Delta], None]  # takes a request's deltas as its steps end
 
 
 @dataclass

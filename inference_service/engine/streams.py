@@ -6,11 +6,10 @@ it die, without the step lock (a step that hangs may hold it for good).
 """
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from inference_service.engine.detokenizer import IncrementalDetokenizer
-from inference_service.engine.request import Delta
+from inference_service.engine.request import Delta, Sink
 from inference_service.engine.sampler import TokenLogprobs
 from inference_service.engine.sequence import Sequence
 from inference_service.engine.tokenizer import Tokenizer
@@ -21,7 +20,7 @@ from shared.errors import InvalidArgument, LoramuxError, Unavailable
 class _Stream:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None  # None when the model folder has no tokenizer
-    sink: Callable[[Delta], None]
+    sink: Sink
 
 
 class Streams:
@@ -31,7 +30,7 @@ class Streams:
         self._lock = threading.Lock()
         self._closed_by: Unavailable | None = None  # set once every stream was ended for good
 
-    def open(self, seq: Sequence, sink: Callable[[Delta], None]) -> None:
+    def open(self, seq: Sequence, sink: Sink) -> None:
         """Start the stream of a new sequence; refused once the engine is dead, and for a request
         id already in flight."""
         detokenizer = None
