@@ -257,10 +257,9 @@ def loramux_runner(engine: Engine) -> Runner:
         firsts: dict[str, float] = {}
         lasts: dict[str, float] = {}
 
-        def stamp(delta: Delta) -> None:  # each token's time, as the step that drew it ends
-            if delta.token_ids:
-                lasts[delta.request_id] = time.perf_counter()
-                firsts.setdefault(delta.request_id, lasts[delta.request_id])
+        def stamp(delta: Delta) -> None:  # each delta's time, as the step that made it ends
+            lasts[delta.request_id] = time.perf_counter()
+            firsts.setdefault(delta.request_id, lasts[delta.request_id])
 
         start = time.perf_counter()
         outputs = engine.generate(requests, on_delta=stamp)

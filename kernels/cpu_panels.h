@@ -5,14 +5,14 @@
 // [p][k / 2][c][k % 2]), its last panel padded with zero rows. A task is one panel and a block of
 // kBlockRows rows of x (panels_by_blocks), walked kRows rows at a time: a tile of rows sums each
 // block of inputs' products in fp32 registers and adds that sum to its totals, which it stores
-// once, so y is written once and never read. The panel comes from memory for the first tile and from L2 for the rest (its blocks from
-// L1, at 512 rows, took 1.04x as long: each block's sums went through y). fp32 sums blocks of
-// s.block inputs; bf16 sums all inputs in one block and rounds once. int8 weights (one scale per
-// output) multiply fp32 rows as fp32 ones do, each vector of them widened as it is read; the
-// totals are scaled, then the bias added, as they are stored. They multiply bf16 rows as bf16
-// ones do, each pair widened to bf16, the totals rounded before and after their scales. NF4
-// weights (4-bit codes, an absmax per output and 64 inputs) are looked up and scaled as they are
-// read, then multiply as fp32 ones.
+// once, so y is written once and never read. The panel comes from memory for the first tile and
+// from L2 for the rest (its blocks from L1, at 512 rows, took 1.04x as long: each block's sums went
+// through y). fp32 sums blocks of s.block inputs; bf16 sums all inputs in one block and rounds
+// once. int8 weights (one scale per output) multiply fp32 rows as fp32 ones do, each vector of them
+// widened as it is read; the totals are scaled, then the bias added, as they are stored. They
+// multiply bf16 rows as bf16 ones do, each pair widened to bf16, the totals rounded before and
+// after their scales. NF4 weights (4-bit codes, an absmax per output and 64 inputs) are looked up
+// and scaled as they are read, then multiply as fp32 ones.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -385,6 +385,15 @@ constexpr bool kLooksUp = false;
 template <typename Kind>
 constexpr bool kLooksUp<Kind, std::void_t<typename Kind::Dense>> = true;
 
+// A panel's weights w (of Kind, which looks them up) into out [inputs, kCols], in Kind::Dense's layout.
+template <typename Kind, typename W = typename Kind::W>
+void look_up(const Linear& s, const W* w, const Ends& ends, typename Kind::Dense::W* out) {
+    constexpr int64_t step_bytes = Kind::kStep * kCols * Kind::kBits / 8;
+    for (int64_t k = 0; k < s.inputs; k += Kind::kStep) {
+        Kind::unpack(Kind::weights(w + k / Kind::kStep * step_bytes, ends.absmax, k), out + k * kCols);
+    }
+}
+
 // Panel p times every row of x, its totals started from its biases (panel_ends). Where a kind looks
 // its weights up and more than Kind::kLookupTiles tiles read them, they are looked up once, into a
 // panel of Dense's (in L2, a thread's own), which Dense's tiles then multiply: the same weights, the
@@ -400,12 +409,8 @@ void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t
         if (s.rows > Kind::kLookupTiles * kRows) {
             using Dense = typename Kind::Dense;
             thread_local std::vector<typename Dense::W> dense;
-            dense.resize(s.inputs * kCols);  // [inputs, kCols] in Dense's layout
-            constexpr int64_t step_bytes = Kind::kStep * kCols * Kind::kBits / 8;
-            for (int64_t k = 0; k < s.inputs; k += Kind::kStep) {
-                const W* wk = w + k / Kind::kStep * step_bytes;
-                Kind::unpack(Kind::weights(wk, ends.absmax, k), dense.data() + k * kCols);
-            }
+            dense.resize(s.inputs * kCols);
+            look_up<Kind>(s, w, ends, dense.data());
             tiles<Dense>(s, x, dense.data(), panel_ends<Dense>(s, bias, p, cols), y, cols, lines);
             return;
         }
@@ -420,8 +425,47 @@ void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t
 // or 256 rows (fp32 and bf16), 0.97 to 1.0 in blocks of 512; at 512 and 2,048 rows, within noise of
 // it. In an engine that step took 9.6 s in place of 10.4 to 11.3 s (32 steps of 512 rows: 9.4 to 10).
 constexpr int64_t kBlockRows = 128;
+
+// panels_by_blocks for a kind that looks its weights up, over more than one block: each thread looks
+// its own panels up once (a static schedule gives it the same panels in every block), into panels of
+// Kind::Dense's, which every block's tiles then multiply. Against all rows in one block, NF4 and
+// int8-under-bf16 layers at 512 rows took 1.02 to 1.10x the time looked up again in every block, and
+// take 1.01 to 1.04x; at 4,096 rows (NF4, bf16) 1.035x, and 0.975x.
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void looked_up_by_blocks(const Linear& s, const T* x, const W* w, const T* bias, T* y) {
+    using Dense = typename Kind::Dense;
+    const int64_t size = s.inputs * kCols;  // a panel looked up
+    thread_local std::vector<typename Dense::W> dense;  // this thread's panels from `first`
+    int64_t first = s.panels, count = 0;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < s.panels; ++p) {
+        first = std::min(first, p);
+        ++count;
+    }
+    dense.resize(count * size);
+    for (int64_t m = 0; m < s.rows; m += kBlockRows) {
+        Linear block = s;
+        block.rows = std::min(kBlockRows, s.rows - m);
+        NoLines none;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < s.panels; ++p) {
+            const int64_t cols = std::min(kCols, s.out - p * kCols);
+            typename Dense::W* mine = dense.data() + (p - first) * size;
+            if (m == 0) {
+                const W* panel = w + p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
+                look_up<Kind>(s, panel, panel_ends<Kind>(s, bias, p, cols), mine);
+            }
+            const Ends ends = panel_ends<Dense>(s, bias, p, cols);
+            tiles<Dense>(block, x + m * s.x_stride, mine, ends, y + m * s.y_stride + p * kCols, cols, none);
+        }
+    }
+}
+
 template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
 void panels_by_blocks(const Linear& s, const T* x, const W* w, const T* bias, T* y) {
+    if constexpr (kLooksUp<Kind>) {
+        if (s.rows > kBlockRows) return looked_up_by_blocks<Kind>(s, x, w, bias, y);
+    }
     for (int64_t m = 0; m < s.rows; m += kBlockRows) {
         Linear block = s;
         block.rows = std::min(kBlockRows, s.rows - m);

@@ -158,7 +158,7 @@ def test_int8_weights_are_packed_as_fp32_ones_and_need_their_scales(kernel):
     assert not kernel.runs(torch.zeros(4, 63, dtype=torch.int8), torch.bfloat16)  # inputs not in pairs
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77])
+@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77, 300])  # 300: panels looked up once for 3 blocks
 @pytest.mark.parametrize("inputs", [18, SUM_BLOCK + 2, 1536])
 @pytest.mark.parametrize("out", [48, 100])
 @pytest.mark.parametrize("bias", [False, True])
@@ -180,7 +180,7 @@ def test_int8_weights_under_bf16_rows_round_as_int8_linear_does_the_bf16_tiles_s
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77])
+@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 77, 300])  # 300: panels looked up once for 3 blocks
 @pytest.mark.parametrize("inputs", [64, SUM_BLOCK, SUM_BLOCK + 64, 1536])
 @pytest.mark.parametrize("out", [48, 100])
 @pytest.mark.parametrize("bias", [False, True])
