@@ -334,82 +334,23 @@ void shrink_expand(const Lora& a, const T* x, const T* pool, T* y) {
     });
 }
 
-// Every page of a decode call's tasks (each its segment's only one), as one run of bytes: where
-// each page starts, and the bytes up to its end.
-template <typename T>
-struct PageRun {
-    std::vector<const char*> starts;
-    std::vector<int64_t> ends;
-
-    PageRun(const Lora& a, const T* pool, const std::vector<Task>& tasks) {
-        int64_t total = 0;
-        for (const Task& task : tasks) {
-            const Pages<T> p(a, pool, task);
-            for (int64_t j = 0; j < p.rank; j += kPageRank) {
-                starts.push_back(reinterpret_cast<const char*>(p.page(j)));
-                ends.push_back(total += page_bytes<T>(a, task));
-            }
-        }
-    }
-
-    int64_t bytes() const { return ends.empty() ? 0 : ends.back(); }
-
-    // The address of `byte` of the run, in page r or a later one (r moves on to it).
-    const char* at(size_t& r, int64_t byte) const {
-        while (byte >= ends[r]) ++r;
-        return starts[r] + byte - (r == 0 ? 0 : ends[r - 1]);
-    }
-};
-
-// A panel's share of the run, [from, to), asked for a line at a time as the panel's weights stream:
-// one or more lines every so many of its steps (cpu_panels.h's Lines), the rest once it is done.
-template <typename T>
-struct PageLines {
-    const PageRun<T>& run;
-    int64_t from, to, every, lines_per_ask, count = 0;
-    size_t page = 0;
-
-    PageLines(const PageRun<T>& pages, int64_t first, int64_t last, int64_t steps)
-        : run(pages), from(first), to(std::min(last, pages.bytes())) {
-        const int64_t lines = std::max<int64_t>(1, (to - from + 63) / 64);
-        every = std::max<int64_t>(1, steps / lines);
-        lines_per_ask = (lines + steps - 1) / steps;
-    }
-
-    void step() {
-        if (++count < every) return;
-        count = 0;
-        for (int64_t i = 0; i < lines_per_ask && from < to; ++i, from += 64) ask_for_line(run.at(page, from));
-    }
-
-    void finish() {
-        for (; from < to; from += 64) ask_for_line(run.at(page, from));
-    }
-};
-
-// lora_linear at decode, where each segment's tokens are one task: each panel asks for its share
-// of the adapters' pages as its weights stream, so that they come in while the weights are
-// multiplied; then each task (of any thread) asks for its pages again, as shrink_expand's do,
-// shrinks its tokens and adds their expands, once every panel is in y. At 32 requests over 8
-// adapters, where a step's matmuls are no longer bound by memory, the pages asked for first (each
-// thread's shrinks before its panels, as prefill_linear's) came in with nothing else to do: decode
-// steps with adapters kept 0.880 (bf16) and 0.882 (fp32) of the base model's speed, and keep
-// 0.914 and 0.902 (one engine, alternating, 8 rounds). At 8 and 128 requests, bound by memory and
-// by the matmuls, it changes nothing.
+// lora_linear at decode, where each segment's tokens are one task: the panels first, then each task
+// (of any thread) asks for its pages, as shrink_expand's do, shrinks its tokens and adds their
+// expands, once every panel is in y. With each thread's shrinks before its panels (as
+// prefill_linear's), decode steps at 32 requests over 8 adapters kept 0.880 (bf16) and 0.882 (fp32)
+// of the base model's speed, and kept 0.914 and 0.902 so. Each panel also asked for a share of the
+// pages as its weights streamed, until that was measured apart (one engine each, alternating, on a
+// Zen 5 EPYC): without it, steps with adapters took 0.93 to 0.96 of the time at 1 to 8 requests and
+// 0.97 at 128 in fp32, 0.97 to 0.99 at 1 to 32 in bf16; 1.00 and 1.02 at 32 in fp32 and 128 in bf16,
+// within what the base model's own steps moved between the engines.
 template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
 void decode_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const W* w,
                    const T* bias, const T* pool, T* y) {
     const int64_t n = static_cast<int64_t>(tasks.size());
-    const PageRun<T> pages(a, pool, tasks);
-    const int64_t share = (pages.bytes() + s.panels - 1) / s.panels;  // of each panel
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < s.panels; ++p) {
-            PageLines<T> lines(pages, p * share, (p + 1) * share, panel_steps<Kind>(s));
-            panel<Kind>(s, x, w, bias, y, p, lines);
-            lines.finish();
-        }
+        for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(s, x, w, bias, y, p);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; ++i) {
             const Pages<T> p(a, pool, tasks[i]);

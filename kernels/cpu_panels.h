@@ -41,18 +41,13 @@ constexpr int kLanes = 8, kPanelVecs = 2, kRows = 6;  // AVX2: 12 of 16
 #endif
 constexpr int64_t kCols = kPanelVecs * kLanes;  // a panel's outputs, a multiple of kVec
 
-// Other bytes a call asks for as its weights stream (Lines::step, once per step of inputs of every
-// tile): the layer alone asks for none.
-struct NoLines {
-    void step() {}
-};
-
 // A thread's panels lie one after another, so its weights are one stream. The tiles of the first
 // kAskRows rows (every tile, at decode batch sizes) ask for the weights kAhead bytes on as they
 // read theirs, so that they come in while the tile multiplies, not once it misses them. At 8 and
 // 32 rows a model's layers took 0.84 to 0.93 of the time; 4 KB to 36 KB ahead were within 3% of
-// each other. A lone row streams at the memory's rate already, so its tile does not ask. (A
-// prefetch past the weights' end does not fault.)
+// each other. A lone row's tile asks as well: on a Zen 5 EPYC a model's layers at one row took
+// 0.88 to 0.93 of the time (fp32; bf16 0.985), decode steps at batch 1 0.97 to 0.99 (fp32, with an
+// adapter or without; bf16 0.96 to 0.99). (A prefetch past the weights' end does not fault.)
 constexpr int64_t kAhead = 16 << 10, kAskRows = 32;
 
 // Sums c to c + kVec of a row's accumulators, as a Vec.
@@ -320,10 +315,9 @@ void store_totals(const Linear& s, const Lanes (&total)[R][kPanelVecs], const En
 
 // R rows of x times one panel, over every input: each block's products are summed in registers
 // and the sum added to the tile's totals (in L1), which are stored once.
-// x: the rows' first inputs; w: the panel; ask: whether to ask for the weights kAhead bytes on;
-// lines: the call's other bytes, stepped once per step of inputs.
-template <typename Kind, int R, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
-void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64_t cols, bool ask, Lines& lines) {
+// x: the rows' first inputs; w: the panel; ask: whether to ask for the weights kAhead bytes on.
+template <typename Kind, int R, typename T = typename Kind::T, typename W = typename Kind::W>
+void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64_t cols, bool ask) {
     constexpr int64_t step_bytes = Kind::kStep * kCols * Kind::kBits / 8;  // the weights of one step
     const int64_t block = Kind::block(s);
     Lanes total[R][kPanelVecs];
@@ -334,11 +328,10 @@ void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64
         const char* step = reinterpret_cast<const char*>(w) + k0 / Kind::kStep * step_bytes;
         for (int64_t k = k0; k < stop; k += Kind::kStep, step += step_bytes) {
             const W* wk = reinterpret_cast<const W*>(step);
-            if (R > 1 && ask) {
+            if (ask) {
                 const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
                 for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + line);
             }
-            lines.step();
             const auto weights = Kind::weights(wk, ends.absmax, k);
             for (int r = 0; r < R; ++r) Kind::madd(acc[r], x + r * s.x_stride + k, weights);
         }
@@ -349,32 +342,26 @@ void tile(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64
     store_totals<Kind, R>(s, total, ends, y, cols);
 }
 
-// How many times panel() steps its Lines: once per step of inputs of each tile.
-template <typename Kind>
-int64_t panel_steps(const Linear& s) {
-    return (s.rows + kRows - 1) / kRows * ((s.inputs + Kind::kStep - 1) / Kind::kStep);
-}
-
 // Every row of x times a panel whose totals start from ends: a tile of kRows rows at a time, the
 // last rows in one smaller tile.
-template <typename Kind, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
-void tiles(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64_t cols, Lines& lines) {
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void tiles(const Linear& s, const T* x, const W* w, const Ends& ends, T* y, int64_t cols) {
     int64_t m = 0;
     for (; m + kRows <= s.rows; m += kRows) {
-        tile<Kind, kRows>(s, x + m * s.x_stride, w, ends, y + m * s.y_stride, cols, m < kAskRows, lines);
+        tile<Kind, kRows>(s, x + m * s.x_stride, w, ends, y + m * s.y_stride, cols, m < kAskRows);
     }
     x += m * s.x_stride;
     y += m * s.y_stride;
     const bool ask = m < kAskRows;
     switch (s.rows - m) {
         case 0: break;
-        case 1: tile<Kind, 1>(s, x, w, ends, y, cols, ask, lines); break;
-        case 2: tile<Kind, 2>(s, x, w, ends, y, cols, ask, lines); break;
-        case 3: tile<Kind, 3>(s, x, w, ends, y, cols, ask, lines); break;
-        case 4: tile<Kind, 4>(s, x, w, ends, y, cols, ask, lines); break;
-        case 5: tile<Kind, 5>(s, x, w, ends, y, cols, ask, lines); break;
-        case 6: tile<Kind, 6>(s, x, w, ends, y, cols, ask, lines); break;
-        default: tile<Kind, 7>(s, x, w, ends, y, cols, ask, lines); break;
+        case 1: tile<Kind, 1>(s, x, w, ends, y, cols, ask); break;
+        case 2: tile<Kind, 2>(s, x, w, ends, y, cols, ask); break;
+        case 3: tile<Kind, 3>(s, x, w, ends, y, cols, ask); break;
+        case 4: tile<Kind, 4>(s, x, w, ends, y, cols, ask); break;
+        case 5: tile<Kind, 5>(s, x, w, ends, y, cols, ask); break;
+        case 6: tile<Kind, 6>(s, x, w, ends, y, cols, ask); break;
+        default: tile<Kind, 7>(s, x, w, ends, y, cols, ask); break;
     }
 }
 
@@ -399,8 +386,8 @@ void look_up(const Linear& s, const W* w, const Ends& ends, typename Kind::Dense
 // panel of Dense's (in L2, a thread's own), which Dense's tiles then multiply: the same weights, the
 // same sums. At 32 rows (4 tiles) with 8 adapters, NF4 decode steps so took 0.73 of the time in
 // bf16, and 1.06x in fp32, whose lookup costs less beside its products.
-template <typename Kind, typename Lines, typename T = typename Kind::T, typename W = typename Kind::W>
-void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p, Lines& lines) {
+template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
+void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p) {
     const int64_t cols = std::min(kCols, s.out - p * kCols);
     w += p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
     y += p * kCols;
@@ -411,11 +398,11 @@ void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t
             thread_local std::vector<typename Dense::W> dense;
             dense.resize(s.inputs * kCols);
             look_up<Kind>(s, w, ends, dense.data());
-            tiles<Dense>(s, x, dense.data(), panel_ends<Dense>(s, bias, p, cols), y, cols, lines);
+            tiles<Dense>(s, x, dense.data(), panel_ends<Dense>(s, bias, p, cols), y, cols);
             return;
         }
     }
-    tiles<Kind>(s, x, w, ends, y, cols, lines);
+    tiles<Kind>(s, x, w, ends, y, cols);
 }
 
 // Every panel times x, kBlockRows rows of x at a time, in a parallel region (its threads split each
@@ -446,7 +433,6 @@ void looked_up_by_blocks(const Linear& s, const T* x, const W* w, const T* bias,
     for (int64_t m = 0; m < s.rows; m += kBlockRows) {
         Linear block = s;
         block.rows = std::min(kBlockRows, s.rows - m);
-        NoLines none;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < s.panels; ++p) {
             const int64_t cols = std::min(kCols, s.out - p * kCols);
@@ -456,7 +442,7 @@ void looked_up_by_blocks(const Linear& s, const T* x, const W* w, const T* bias,
                 look_up<Kind>(s, panel, panel_ends<Kind>(s, bias, p, cols), mine);
             }
             const Ends ends = panel_ends<Dense>(s, bias, p, cols);
-            tiles<Dense>(block, x + m * s.x_stride, mine, ends, y + m * s.y_stride + p * kCols, cols, none);
+            tiles<Dense>(block, x + m * s.x_stride, mine, ends, y + m * s.y_stride + p * kCols, cols);
         }
     }
 }
@@ -469,8 +455,7 @@ void panels_by_blocks(const Linear& s, const T* x, const W* w, const T* bias, T*
     for (int64_t m = 0; m < s.rows; m += kBlockRows) {
         Linear block = s;
         block.rows = std::min(kBlockRows, s.rows - m);
-        NoLines none;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(block, x + m * s.x_stride, w, bias, y + m * s.y_stride, p, none);
+        for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(block, x + m * s.x_stride, w, bias, y + m * s.y_stride, p);
     }
 }
