@@ -316,9 +316,12 @@ void ask_for_pages(const Lora& a, const Task& task, const Pages<T>& p) {
     }
 }
 
-// A task's shrinks, kept for its own expand (where no tensor-parallel exchange comes between).
+// A task's pages asked for, then its shrinks, kept for its own expand (where no tensor-parallel
+// exchange comes between).
 template <typename T>
-void shrink_expand_task(const Lora& a, const Task& task, const T* x, const Pages<T>& p, T* y) {
+void shrink_expand_task(const Lora& a, const Task& task, const T* x, const T* pool, T* y) {
+    const Pages<T> p(a, pool, task);
+    ask_for_pages(a, task, p);
     std::vector<float> shrunk(kTaskTokens * a.lanes);
     auto row = [&](int64_t i) { return shrunk.data() + (i - task.first) * a.lanes; };
     shrink_task(a, task, x, p, row);
@@ -327,11 +330,7 @@ void shrink_expand_task(const Lora& a, const Task& task, const T* x, const Pages
 
 template <typename T>
 void shrink_expand(const Lora& a, const T* x, const T* pool, T* y) {
-    each_task(a, [&](const Task& task) {
-        const Pages<T> p(a, pool, task);
-        ask_for_pages(a, task, p);
-        shrink_expand_task(a, task, x, p, y);
-    });
+    each_task(a, [&](const Task& task) { shrink_expand_task(a, task, x, pool, y); });
 }
 
 // lora_linear at decode, where each segment's tokens are one task: the panels first, then each task
@@ -352,11 +351,7 @@ void decode_linear(const Linear& s, const Lora& a, const std::vector<Task>& task
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(s, x, w, bias, y, p);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) {
-            const Pages<T> p(a, pool, tasks[i]);
-            ask_for_pages(a, tasks[i], p);
-            shrink_expand_task(a, tasks[i], x, p, y);
-        }
+        for (int64_t i = 0; i < n; ++i) shrink_expand_task(a, tasks[i], x, pool, y);
     }
 }
 

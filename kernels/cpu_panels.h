@@ -381,6 +381,15 @@ void look_up(const Linear& s, const W* w, const Ends& ends, typename Kind::Dense
     }
 }
 
+// Panel p's weights in w.
+template <typename Kind, typename W = typename Kind::W>
+const W* panel_weights(const Linear& s, const W* w, int64_t p) {
+    return w + p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
+}
+
+// The outputs panel p holds: kCols, fewer in the last.
+inline int64_t panel_cols(const Linear& s, int64_t p) { return std::min(kCols, s.out - p * kCols); }
+
 // Panel p times every row of x, its totals started from its biases (panel_ends). Where a kind looks
 // its weights up and more than Kind::kLookupTiles tiles read them, they are looked up once, into a
 // panel of Dense's (in L2, a thread's own), which Dense's tiles then multiply: the same weights, the
@@ -388,8 +397,8 @@ void look_up(const Linear& s, const W* w, const Ends& ends, typename Kind::Dense
 // bf16, and 1.06x in fp32, whose lookup costs less beside its products.
 template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
 void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t p) {
-    const int64_t cols = std::min(kCols, s.out - p * kCols);
-    w += p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
+    const int64_t cols = panel_cols(s, p);
+    w = panel_weights<Kind>(s, w, p);
     y += p * kCols;
     const Ends ends = panel_ends<Kind>(s, bias, p, cols);
     if constexpr (kLooksUp<Kind>) {
@@ -413,6 +422,13 @@ void panel(const Linear& s, const T* x, const W* w, const T* bias, T* y, int64_t
 // it. In an engine that step took 9.6 s in place of 10.4 to 11.3 s (32 steps of 512 rows: 9.4 to 10).
 constexpr int64_t kBlockRows = 128;
 
+// The shapes of the block of rows of s from row m.
+inline Linear block_from(const Linear& s, int64_t m) {
+    Linear block = s;
+    block.rows = std::min(kBlockRows, s.rows - m);
+    return block;
+}
+
 // panels_by_blocks for a kind that looks its weights up, over more than one block: each thread looks
 // its own panels up once (a static schedule gives it the same panels in every block), into panels of
 // Kind::Dense's, which every block's tiles then multiply. Against all rows in one block, NF4 and
@@ -431,16 +447,12 @@ void looked_up_by_blocks(const Linear& s, const T* x, const W* w, const T* bias,
     }
     dense.resize(count * size);
     for (int64_t m = 0; m < s.rows; m += kBlockRows) {
-        Linear block = s;
-        block.rows = std::min(kBlockRows, s.rows - m);
+        const Linear block = block_from(s, m);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < s.panels; ++p) {
-            const int64_t cols = std::min(kCols, s.out - p * kCols);
+            const int64_t cols = panel_cols(s, p);
             typename Dense::W* mine = dense.data() + (p - first) * size;
-            if (m == 0) {
-                const W* panel = w + p * s.inputs * kCols * Kind::kBits / (8 * sizeof(W));
-                look_up<Kind>(s, panel, panel_ends<Kind>(s, bias, p, cols), mine);
-            }
+            if (m == 0) look_up<Kind>(s, panel_weights<Kind>(s, w, p), panel_ends<Kind>(s, bias, p, cols), mine);
             const Ends ends = panel_ends<Dense>(s, bias, p, cols);
             tiles<Dense>(block, x + m * s.x_stride, mine, ends, y + m * s.y_stride + p * kCols, cols);
         }
@@ -453,8 +465,7 @@ void panels_by_blocks(const Linear& s, const T* x, const W* w, const T* bias, T*
         if (s.rows > kBlockRows) return looked_up_by_blocks<Kind>(s, x, w, bias, y);
     }
     for (int64_t m = 0; m < s.rows; m += kBlockRows) {
-        Linear block = s;
-        block.rows = std::min(kBlockRows, s.rows - m);
+        const Linear block = block_from(s, m);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < s.panels; ++p) panel<Kind>(block, x + m * s.x_stride, w, bias, y + m * s.y_stride, p);
     }
