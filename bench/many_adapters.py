@@ -4,10 +4,11 @@ the same requests over 8 hot adapters, on the default model, in the adapter memo
 slots on every module took; beside it the whole round's rate (its queue draining out at the end),
 the host tier's hit rate, the adapter loads and the activations of each run.
 
-Every adapter is registered by name -> folder only; the host tier loads (validates, optimizes)
-one from disk in the background when a request first names it, and keeps the 64 most recently
-used. Both cases run on engines built once; the timed rounds see the host tier warm from the
-rounds before them (a server's steady state), the dropped warm-up round sees it cold.
+Every adapter is registered by name, folder and content digest, read once beforehand as the
+adapter store reads each at its registration; the host tier loads (validates, optimizes) one from
+disk in the background when a request first names it, and keeps the 64 most recently used. Both
+cases run on engines built once; the timed rounds see the host tier warm from the rounds before
+them (a server's steady state), the dropped warm-up round sees it cold.
 
     LORAMUX_CACHE=.cache .venv/bin/python -m bench.many_adapters [--repeats 2]
 """
@@ -81,8 +82,9 @@ def write_adapters(model: ModelConfig, root: Path, progress: Callable[[str], Non
 
 
 def engine_with(model_dir: Path, folders: list[Path]) -> Engine:
-    """An engine on which every folder is registered by name only: nothing is read until a
-    request names the adapter and the host tier loads it in the background."""
+    """An engine on which every folder is registered by name and content digest (read here, as
+    the store would): the host tier holds none until a request names it and it loads it in the
+    background."""
     memory = slot_memory(ModelConfig.from_dir(model_dir), *MEMORY_OF, torch.float32)
     config = EngineConfig(
         model=str(model_dir),
@@ -95,7 +97,7 @@ def engine_with(model_dir: Path, folders: list[Path]) -> Engine:
     )
     engine = Engine(config)
     for folder in folders:
-        engine.loader.register(folder.name, folder)
+        engine.loader.register(folder.name, folder, engine.loader.read(folder.name, folder).digest)
     return engine
 
 

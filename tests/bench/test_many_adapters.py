@@ -7,13 +7,20 @@ from bench.many_adapters import (
     MIN_NEW,
     PROMPT,
     REQUESTS,
+    TARGETS,
     ZIPF,
+    CaseRound,
     StepRecord,
+    Workload,
+    counters,
+    engine_with,
     summary,
     window,
     workload,
     zipf_draws,
 )
+from bench.random_adapter import write_random_adapter
+from shared.model_config import ModelConfig
 
 
 def test_zipf_draws_repeat_for_a_seed_and_differ_across_seeds():
@@ -71,3 +78,18 @@ def run_figures(steps: list[StepRecord]) -> dict[str, float]:
     counters = ("hit rate", "requests held", "loads", "reloads", "distinct adapters", "activations")
     figures = {key: 1.0 for key in (*counters, "host evictions", "load ms", "idle s", "load wait s")}
     return {**window([s for s in steps if s.saturated], ""), **window(steps, "round "), **figures}
+
+
+def test_registered_adapters_load_when_first_named_and_serve_their_requests(tiny_models, tmp_path):
+    model_dir = tiny_models["llama"]
+    model = ModelConfig.from_dir(model_dir)
+    folders = [write_random_adapter(model, tmp_path / f"a{i}", r, i, TARGETS) for i, r in enumerate((8, 64))]
+    engine = engine_with(model_dir, folders)
+    assert engine.held_digests() == {}  # registered, none read into the host tier yet
+    load = Workload([[1, 2, 3]] * 4, [2, 3, 2, 3], {"case": ["a0", "a1", "a1", "a0"]})
+    case = CaseRound(engine, load.adapters["case"], load)
+    while not case.done:
+        case.block(4)
+    assert sum(step.tokens for step in case.steps) == 10  # every request's tokens
+    assert counters(engine)["misses"] == 2  # one load for each adapter, when first named
+    assert set(engine.held_digests()) == {"a0", "a1"}
