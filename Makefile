@@ -21,7 +21,7 @@ test: .venv/.test shared/pb/.built nginx
 	$(PY) -m ruff check .
 	LORAMUX_CACHE=$(CACHE) $(PY) -m pytest
 
-# The whole suite takes about 30 min on 2 cores; results land in bench/results/ (REPORT.md links them).
+# The whole suite takes about 15 min on 2 cores; results land in bench/results/ (REPORT.md links them).
 bench: .venv/.bench shared/pb/.built
 	LORAMUX_CACHE=$(CACHE) $(PY) -m bench.suite
 

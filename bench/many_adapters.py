@@ -300,8 +300,9 @@ def setup(repeats: int) -> str:
     return (
         f"Default model on the CPU, float32. {ADAPTERS:,} random PEFT adapters of distinct content, "
         f"each of a rank drawn uniformly from {RANKS} on {' and '.join(TARGETS)} of every layer, "
-        f"written to a temporary folder (so read from the page cache) and registered by name and "
-        f"folder only: the host tier loads one (read, validate, optimize) on its {LOAD_THREADS} "
+        f"written to a temporary folder (so read from the page cache) and registered by name, folder "
+        f"and content digest (each read once beforehand, as the adapter store reads it at its "
+        f"registration): the host tier loads one (read, validate, optimize) on its {LOAD_THREADS} "
         f"background threads when a request first names it. Engine: adapter memory of "
         f"{MEMORY_OF[0]} rank-{MEMORY_OF[1]} adapters on every module (what {MEMORY_OF[0]} slots of "
         f"rank {MEMORY_OF[1]} took before paging), max_lora_rank={MAX_LORA_RANK}, "

@@ -78,7 +78,7 @@ class Benchmark:
     title: str
     run: Callable[[Path, int, Progress], dict]  # (model dir, rounds, progress) -> result
     plot: Callable[[dict, Path], None]
-    repeats: int  # timed rounds unless --repeats says otherwise; together about 25 min on 2 cores
+    repeats: int  # timed rounds unless --repeats says otherwise; together about 15 min on 2 cores
 
 
 BENCHMARKS = (

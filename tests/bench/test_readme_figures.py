@@ -71,7 +71,10 @@ def test_every_figure_readme_quotes_beside_a_benchmark_is_in_its_record():
 
 
 def test_a_figure_no_named_record_holds_is_found():
-    by_name = records()
+    by_name = {  # records of its own, so that running the benchmarks again leaves this test as it is
+        "moe": {"result": {"table": [{"tok/s vs base": 0.818, "rounds min..max": "0.813 .. 0.829"}]}},
+        "http_overhead": {"result": {"table": [{"gateway vs direct": "0.922x"}, {"p50": "+101.9 ms"}]}},
+    }
     text = (
         "Eight adapters decode at 0.818 of the base (`bench.moe`, rounds 0.813 to 0.829). "
         "They decode at 0.825 of it (`moe`). Elsewhere 0.825 names no record.\n\n"
