@@ -348,7 +348,11 @@ void shrink_expand(const Lora& a, const T* x, const T* pool, T* y) {
 // 143 to 174 us in all at 32 tokens and 218 to 321 at 128. On rows in cache the shrink's tiles
 // multiply at 75 to 95% of the panels' rate, the expand's at 60%. Asking for the next task's pages
 // between the current one's tiles, or running the shrinks between the panels, did not hide the
-// reads (0.96 to 1.16 of the time).
+// reads (0.96 to 1.16 of the time); each panel asking for a share of them, into L2 or L3, took
+// 1.01 to 1.04, though pages already in L3 would have saved 45 to 68 us a layer at 32 tokens. The
+// expands cost most of the rest: with them left out (pages still read), layers took 80 us less at
+// 32 tokens and 181 at 128. Run as each panel's epilogue instead (the same sums, B's rows asked for
+// a panel ahead, y in L1), they took 1.04 to 1.13 of the time, and 1.00 even with B's rows in L1.
 template <typename Kind, typename T = typename Kind::T, typename W = typename Kind::W>
 void decode_linear(const Linear& s, const Lora& a, const std::vector<Task>& tasks, const T* x, const W* w,
                    const T* bias, const T* pool, T* y) {
