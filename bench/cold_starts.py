@@ -13,6 +13,7 @@ import argparse
 import itertools
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,9 @@ from bench.random_adapter import write_random_adapter
 from shared.model_config import ModelConfig
 
 STREAMS, HOT, PROBES, RANK = 8, 4, 8, 16
-PROMPT, STREAM_TOKENS = 32, 40  # the streams outlast the probes on this machine
+# The streams are left once the last probe has its first token; STREAM_TOKENS only caps them (at 21
+# ms a token on 2 cores they would last 10 s, where the probes take about 3.5 s)
+PROMPT, STREAM_TOKENS = 32, 512
 PROBE_START_S, PROBE_GAP_S = 0.5, 0.4  # the first probe leaves once the streams decode
 SLOTS = HOT + PROBES // 2  # cold probes must take turns for slots, as in a busy worker
 
@@ -39,14 +42,23 @@ class Run:
     ttft: list[float]  # seconds to the first token of each probe
 
 
-def token_times(client: loramux.Client, adapter: str, ids: list[int], max_tokens: int) -> list[float]:
-    """perf_counter at each token's arrival (the tokens of one delta share its time)."""
+def token_times(
+    client: loramux.Client,
+    adapter: str,
+    ids: list[int],
+    max_tokens: int,
+    until: threading.Event | None = None,
+) -> list[float]:
+    """perf_counter at each token's arrival (the tokens of one delta share its time); the stream is
+    left (its call cancelled) at its first delta once `until` is set."""
     times = []
     deltas = client.generate(
         token_ids=ids, adapter=adapter, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=600
     )
     for delta in deltas:
         times += [time.perf_counter()] * len(delta.token_ids)
+        if until is not None and until.is_set():
+            break
     return times
 
 
@@ -57,9 +69,10 @@ def probe(client: loramux.Client, adapter: str, ids: list[int]) -> tuple[float, 
 
 
 def run(client: loramux.Client, probe_adapters: list[str]) -> Run:
+    probed = threading.Event()  # the last probe has its first token
     with ThreadPoolExecutor(STREAMS + PROBES) as pool:
         streams = [
-            pool.submit(token_times, client, f"hot-{i % HOT}", [100 + i] * PROMPT, STREAM_TOKENS)
+            pool.submit(token_times, client, f"hot-{i % HOT}", [100 + i] * PROMPT, STREAM_TOKENS, probed)
             for i in range(STREAMS)
         ]
         time.sleep(PROBE_START_S)
@@ -68,11 +81,18 @@ def run(client: loramux.Client, probe_adapters: list[str]) -> Run:
             probes.append(pool.submit(probe, client, adapter, [50 + k] * PROMPT))
             time.sleep(PROBE_GAP_S)
         times = [p.result() for p in probes]
+        probed.set()
         window = (times[0][0], max(first for _, first in times))
-        gaps = [g for s in streams for g in gaps_within(s.result(), window)]
-    if not gaps:
-        raise RuntimeError("the streams ended before the probes: raise STREAM_TOKENS")
+        gaps = streams_gaps([s.result() for s in streams], window)
     return Run(gaps, [first - sent for sent, first in times])
+
+
+def streams_gaps(streams: list[list[float]], window: tuple[float, float]) -> list[float]:
+    """Every stream's gaps ending inside `window`, which each stream must outlast: one that ended
+    sooner would leave the rest of the window unmeasured."""
+    if min(times[-1] for times in streams) < window[1]:
+        raise RuntimeError("a stream ended before the last probe's first token: raise STREAM_TOKENS")
+    return [g for times in streams for g in gaps_within(times, window)]
 
 
 def gaps_within(times: list[float], window: tuple[float, float]) -> list[float]:
@@ -152,13 +172,13 @@ def summary(runs: dict[str, list[Run]], repeats: int) -> dict:
     return {
         "setup": (
             f"default model; a store and a worker process on this machine (max_loras {SLOTS}, "
-            f"max_cpu_loras {SLOTS}); {STREAMS} greedy streams ({PROMPT} prompt + {STREAM_TOKENS} new "
-            f"tokens) on {HOT} resident rank-{RANK} all-linear adapters; {PROBES} one-token probes "
-            f"({PROMPT}-token prompts) sent every {PROBE_GAP_S} s from {PROBE_START_S} s on, naming "
-            f"{PROBES} never-fetched adapters (cold: fetch from the store, digest check, load, "
-            f"activate) or resident ones; ITL counts the resident streams' token gaps from the first "
-            f"probe sent to the last probe's first token; p50/p99 per run, medians of {repeats} rounds "
-            f"(both runs back to back, alternating order) after a warm-up round"
+            f"max_cpu_loras {SLOTS}); {STREAMS} greedy streams ({PROMPT}-token prompts, left once the "
+            f"last probe has its first token) on {HOT} resident rank-{RANK} all-linear adapters; "
+            f"{PROBES} one-token probes ({PROMPT}-token prompts) sent every {PROBE_GAP_S} s from "
+            f"{PROBE_START_S} s on, naming {PROBES} never-fetched adapters (cold: fetch from the store, "
+            f"digest check, load, activate) or resident ones; ITL counts the resident streams' token "
+            f"gaps from the first probe sent to the last probe's first token; p50/p99 per run, medians "
+            f"of {repeats} rounds (both runs back to back, alternating order) after a warm-up round"
         ),
         "table": table,
         "values": {case: {name: values for name, values in s.items()} for case, s in stats.items()},

@@ -1,12 +1,19 @@
 import pytest
 
-from bench.cold_starts import Run, gaps_within, summary
+from bench.cold_starts import Run, gaps_within, streams_gaps, summary
 
 
 def test_only_gaps_ending_inside_the_window_count():
     times = [0.0, 1.0, 1.5, 3.0, 3.25, 6.0]
     assert gaps_within(times, (1.2, 3.5)) == [0.5, 1.5, 0.25]
     assert gaps_within(times, (6.5, 7.0)) == []
+
+
+def test_every_stream_must_outlast_the_window():
+    streams = [[0.0, 1.0, 2.0, 4.0], [0.5, 1.5, 3.5]]
+    assert streams_gaps(streams, (1.2, 3.5)) == [1.0, 1.0, 2.0]
+    with pytest.raises(RuntimeError, match="raise STREAM_TOKENS"):
+        streams_gaps(streams, (1.2, 3.8))  # the second ended at 3.5
 
 
 def test_summary_reports_medians_of_rounds_and_of_per_round_ratios():
