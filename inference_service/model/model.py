@@ -224,6 +224,8 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.pack(linear, lora)
+            elif isinstance(module, SparseMoe):
+                module.pack(linear)
         self.packed_head = packed(self.lm_head, linear)
         if self.packed_head is not None and not self.cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
@@ -240,7 +242,8 @@ class LlamaModel(nn.Module):
 
     def _packed(self) -> "list[PanelWeight | PackedWeight]":
         weights = [m.packed for m in self.modules() if isinstance(m, DenseWeight)] + [self.packed_head]
-        return [w for w in weights if w is not None]
+        experts = [w for m in self.modules() if isinstance(m, SparseMoe) for w in m.packed_weights()]
+        return [w for w in [*weights, *experts] if w is not None]
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Returns logits [logit_rows, vocab] in fp32."""

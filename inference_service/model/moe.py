@@ -14,9 +14,11 @@ from torch import nn
 
 from inference_service.model.forward_batch import ForwardBatch
 from inference_service.model.lora_linear import LoraSplit, add_lora
+from inference_service.model.packed_weight import PackedWeight, PanelWeight, packed
 from inference_service.model.placement import Placement
+from kernels.cpu_linear import CpuLinear
 from kernels.lora_batch import LoraBatch, page_width
-from kernels.moe_gemm import ExpertPlan, combine, moe_gemm, moe_gemm_triton
+from kernels.moe_gemm import ExpertPlan, combine, moe_gemm, moe_gemm_packed, moe_gemm_triton
 from shared.model_config import EXPERT_TARGETS, ModelConfig
 
 
@@ -39,6 +41,8 @@ class SparseMoe(nn.Module):
 
         self.w13 = weight(experts, 2 * inter, hidden)  # each expert's gate rows, then its up rows
         self.w2 = weight(experts, hidden, inter)
+        # each expert's w13 and w2 laid out for the CPU's matmuls, once pack() ran
+        self.packed: tuple[tuple[PanelWeight | PackedWeight, ...], ...] | None = None
         shared = moe.shared_intermediate_size
         self.column, self.row = LoraSplit.of(self.parallel, "column"), LoraSplit.of(self.parallel, "row")
         if shared:  # Qwen2-MoE's shared expert, its output gated per token
@@ -72,23 +76,39 @@ class SparseMoe(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
+    def pack(self, linear: CpuLinear | None) -> None:
+        """Once loaded, on a CPU: each expert's weights laid out for its matmuls
+        (packed_weight.packed), the dense stacks let go; where any expert's cannot be, none is."""
+        w13, w2 = tuple(packed(w, linear) for w in self.w13), tuple(packed(w, linear) for w in self.w2)
+        if any(w is None for w in (*w13, *w2)):
+            return
+        self.packed = (w13, w2)
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+
+    def packed_weights(self) -> list[PanelWeight | PackedWeight]:
+        return [w for weights in self.packed or () for w in weights]
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weights, ids = self.route(x, batch.lora)
         plan = ExpertPlan.build(ids, self.moe.num_experts)
         pairs = self._pair_lora(plan, batch.lora)
-        gemm = moe_gemm_triton if batch.kernels else moe_gemm
+        if self.packed is not None:
+            gemm, (w13, w2) = moe_gemm_packed, self.packed
+        else:
+            gemm, w13, w2 = moe_gemm_triton if batch.kernels else moe_gemm, self.w13, self.w2
         if pairs is None:  # the gate/up matmul gathers each pair's token as it reads it
-            h = gemm(x, self.w13, plan, gather=True)  # [pairs, 2 * inter]
+            h = gemm(x, w13, plan, gather=True)  # [pairs, 2 * inter]
         else:  # LoRA reads the pairs' tokens too: gathered once for both
             x_pairs = x[plan.tokens]  # [pairs, hidden]
-            h = gemm(x_pairs, self.w13, plan, gather=False)  # [pairs, 2 * inter]
+            h = gemm(x_pairs, w13, plan, gather=False)  # [pairs, 2 * inter]
             inter = h.shape[1] // 2
             add_lora(
                 h, x_pairs, pairs, self.pool, self.unit, self.gate_up_target, (inter, inter), self.column
             )
         gate, up = h.chunk(2, dim=-1)  # [pairs, inter] each
         act = F.silu(gate) * up
-        y = gemm(act, self.w2, plan, gather=False)  # [pairs, hidden]
+        y = gemm(act, w2, plan, gather=False)  # [pairs, hidden]
         if pairs is not None:
             add_lora(y, act, pairs, self.pool, self.unit, self.down_target, (y.shape[1],), self.row)
         out = combine(y, plan, weights)  # [tokens, hidden]

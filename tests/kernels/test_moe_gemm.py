@@ -4,7 +4,9 @@ ExpertPlan's grouping and combine's weighted sum."""
 import pytest
 import torch
 
-from kernels.moe_gemm import BLOCK_M, ExpertPlan, combine, moe_gemm, moe_gemm_triton
+from inference_service.model.packed_weight import packed
+from kernels.cpu_linear import CpuLinear
+from kernels.moe_gemm import BLOCK_M, ExpertPlan, combine, moe_gemm, moe_gemm_packed, moe_gemm_triton
 from tests.kernels.rounding import assert_within, cast_error, fp32_error, gamma
 
 EXPERTS = 8
@@ -56,6 +58,27 @@ def test_torch_form_equals_each_pairs_own_product(tokens, top_k, crowd, gather):
     got = moe_gemm(x, weight, plan, gather)
 
     # each row is F.linear of one row, as a dense layer computes it: bound it the same way
+    size = per_pair(x.abs(), weight.abs(), plan, gather)
+    assert_within(got, per_pair(x, weight, plan, gather), gamma(48 * fp32_error(x.device)) * size)
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["tokens", "sorted-rows"])
+@pytest.mark.parametrize(("tokens", "top_k", "crowd"), [(1, 2, None), (9, 2, None), (40, 2, 3), (5, 4, None)])
+@pytest.mark.parametrize("kernel", ["panels", "onednn"])
+def test_packed_form_equals_each_pairs_own_product(tokens, top_k, crowd, gather, kernel):
+    """Each expert's weight laid out for the CPU (the compiled panels, or oneDNN's blocks where they
+    are not built), experts with no pairs among them; 80 outputs leave a panel part empty."""
+    linear = CpuLinear.load()[0] if kernel == "panels" else None
+    if kernel == "panels" and linear is None:
+        pytest.skip("the CPU linear kernel is not built here")
+    torch.manual_seed(tokens)
+    plan = ExpertPlan.build(routing(tokens, top_k, seed=tokens, crowd=crowd), EXPERTS)
+    x = torch.randn(tokens if gather else plan.pairs, 48)
+    weight = torch.randn(EXPERTS, 80, 48) * 0.1
+    weights = [packed(w, linear) for w in weight]
+
+    got = moe_gemm_packed(x, weights, plan, gather)
+
     size = per_pair(x.abs(), weight.abs(), plan, gather)
     assert_within(got, per_pair(x, weight, plan, gather), gamma(48 * fp32_error(x.device)) * size)
 

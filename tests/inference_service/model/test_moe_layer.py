@@ -6,6 +6,7 @@ held to the merged layer in float64, ours within what the merged layer's own fp3
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +14,7 @@ from inference_service.adapters.adapter_image import AdapterImage
 from inference_service.engine.adapter_memory import AdapterMemory, page_units, unit_elements
 from inference_service.model.moe import SparseMoe
 from inference_service.model.placement import Placement
+from kernels.cpu_linear import CpuLinear
 from kernels.lora_batch import AdapterPages, LoraBatch
 from shared.model_config import ModelConfig
 from shared.peft_checkpoint import AdapterWeights, ModuleLora
@@ -48,13 +50,14 @@ def _adapter(gen) -> AdapterWeights:
     return AdapterWeights(RANK, 16.0, ("down_proj", "gate_proj", "router", "up_proj"), modules)
 
 
-def _merged(layer: SparseMoe, adapter: AdapterWeights, dtype) -> tuple[torch.Tensor, ...]:
-    """The router, w13 and w2 with the adapter's deltas merged in float64, then cast to dtype."""
+def _merged(base: tuple[torch.Tensor, ...], adapter: AdapterWeights, dtype) -> tuple[torch.Tensor, ...]:
+    """The router, w13 and w2 (`base`) with the adapter's deltas merged in float64, then cast to
+    dtype."""
     m = adapter.modules
     delta = {name: m[0, name].b_t.double().transpose(-1, -2) @ m[0, name].a.double() for _, name in m}
-    router = layer.router.base.weight.double() + delta["router"]
-    w13 = layer.w13.double() + torch.cat([delta["gate_proj"], delta["up_proj"]], dim=1)
-    w2 = layer.w2.double() + delta["down_proj"]
+    router = base[0].double() + delta["router"]
+    w13 = base[1].double() + torch.cat([delta["gate_proj"], delta["up_proj"]], dim=1)
+    w2 = base[2].double() + delta["down_proj"]
     return router.to(dtype), w13.to(dtype), w2.to(dtype)
 
 
@@ -71,7 +74,9 @@ def _reference(x: torch.Tensor, router, w13, w2) -> tuple[torch.Tensor, torch.Te
     return out, ids
 
 
-def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer():
+@pytest.mark.parametrize("experts", ["dense", "packed"])
+def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer(experts):
+    """packed: the experts' weights laid out for the CPU's matmuls (as a CPU engine packs them)."""
     gen = torch.Generator().manual_seed(0)
     unit, units = unit_elements(MODEL), sum(page_units(MODEL))  # room for one rank-8 adapter
     memory = AdapterMemory.for_model(units, MODEL, torch.float32)
@@ -79,6 +84,10 @@ def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer(
     layer = SparseMoe(MODEL, pool, unit, Placement(torch.float32, "cpu"))
     for weight in (layer.router.base.weight, layer.w13, layer.w2):
         weight.copy_(torch.randn(weight.shape, generator=gen) * 0.2)
+    base = tuple(w.detach().clone() for w in (layer.router.base.weight, layer.w13, layer.w2))
+    if experts == "packed":
+        layer.pack(CpuLinear.load()[0])
+        assert layer.packed is not None and layer.w13.numel() == layer.w2.numel() == 0  # dense ones let go
     adapter = _adapter(gen)
     image = AdapterImage.of(adapter, MODEL, torch.float32)
     slot, _ = memory.acquire("a", image.need)
@@ -94,8 +103,7 @@ def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer(
 
     on = torch.tensor([s >= 0 for s in slots])
     expected, exact = torch.empty_like(x), torch.empty(x.shape, dtype=torch.float64)
-    base = (layer.router.base.weight, layer.w13, layer.w2)
-    for rows, weights in ((on, _merged(layer, adapter, torch.float64)), (~on, base)):
+    for rows, weights in ((on, _merged(base, adapter, torch.float64)), (~on, base)):
         exact[rows], ids64 = _reference(x[rows].double(), *(w.double() for w in weights))
         expected[rows], ids32 = _reference(x[rows], *(w.float() for w in weights))
         assert torch.equal(ids32, ids64), "a near-tie in the reference's routing: pick another seed"
