@@ -109,3 +109,18 @@ def test_one_moe_layer_with_lora_on_router_and_experts_matches_the_merged_layer(
         assert torch.equal(ids32, ids64), "a near-tie in the reference's routing: pick another seed"
     assert_fp32_agrees(ours, expected, exact)
     print(f"relative RMS error against float64: {rms(ours - exact) / rms(exact):.2g}")
+
+
+def test_experts_the_cpus_matmuls_cannot_take_stay_dense():
+    """fp16 has no CPU layout (packed_weight.packed gives None): pack leaves every expert dense,
+    and the layer runs on torch's matmuls as before."""
+    unit, units = unit_elements(MODEL), sum(page_units(MODEL))
+    layer = SparseMoe(
+        MODEL, torch.zeros(units * unit, dtype=torch.float16), unit, Placement(torch.float16, "cpu")
+    )
+    layer.w13.copy_(torch.randn(layer.w13.shape) * 0.2)
+    dense = layer.w13.clone()
+
+    layer.pack(CpuLinear.load()[0])
+
+    assert layer.packed is None and torch.equal(layer.w13, dense)
