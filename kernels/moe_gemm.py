@@ -12,6 +12,7 @@ form is one launch over tiles of at most BLOCK_M pairs of one expert (a tile nev
 each program loading its pairs' input rows and its expert's weight tiles.
 """
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,25 +45,38 @@ class ExpertPlan:
     def pairs(self) -> int:
         return self.order.numel()
 
+    @property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(expert, its first row, the row after its last) of each expert with pairs."""
+        return expert_spans(self.counts)
+
     @classmethod
     def build(cls, topk_ids: torch.Tensor, num_experts: int) -> "ExpertPlan":
         """topk_ids [tokens, top_k]: the experts each token's router chose."""
         top_k = topk_ids.shape[1]
         order = topk_ids.flatten().argsort(stable=True)  # [pairs]
         counts = torch.bincount(topk_ids.flatten(), minlength=num_experts).tolist()  # one host sync
-        tiles, start = [], 0
-        for expert, count in enumerate(counts):
-            tiles += [
-                (expert, row, min(row + BLOCK_M, start + count))
-                for row in range(start, start + count, BLOCK_M)
-            ]
-            start += count
+        tiles = [
+            (expert, row, min(row + BLOCK_M, end))
+            for expert, start, end in expert_spans(counts)
+            for row in range(start, end, BLOCK_M)
+        ]
         experts, starts, ends = zip(*tiles, strict=True) if tiles else ((), (), ())
 
         def tensor(values):
             return torch.tensor(values, dtype=torch.int32, device=topk_ids.device)
 
         return cls(order, order // top_k, tuple(counts), tensor(experts), tensor(starts), tensor(ends))
+
+
+def expert_spans(counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each expert with pairs, rows in expert order."""
+    ends = list(itertools.accumulate(counts))
+    return [
+        (expert, end - count, end)
+        for expert, (count, end) in enumerate(zip(counts, ends, strict=True))
+        if count
+    ]
 
 
 def moe_gemm(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool) -> torch.Tensor:
@@ -73,11 +87,8 @@ def moe_gemm(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bo
     x: [tokens or pairs, in]; weight: [experts, out, in] -> y [pairs, out] in x's dtype."""
     rows = x[plan.tokens] if gather else x  # [pairs, in]
     y = torch.empty(plan.pairs, weight.shape[1], dtype=x.dtype, device=x.device)  # [pairs, out]
-    start = 0
-    for expert, count in enumerate(plan.counts):
-        if count:
-            y[start : start + count] = F.linear(rows[start : start + count], weight[expert])
-        start += count
+    for expert, start, end in plan.spans:
+        y[start:end] = F.linear(rows[start:end], weight[expert])
     return y
 
 
@@ -89,11 +100,7 @@ def moe_gemm_packed(x: torch.Tensor, weights: Sequence[Any], plan: ExpertPlan, g
 
     x: [tokens or pairs, in]; weights[e].linear(rows [n, in], None) -> [n, out] -> y [pairs, out]."""
     rows = x[plan.tokens] if gather else x  # [pairs, in]
-    products, start = [], 0
-    for expert, count in enumerate(plan.counts):
-        if count:
-            products.append(weights[expert].linear(rows[start : start + count], None))  # [count, out]
-        start += count
+    products = [weights[expert].linear(rows[start:end], None) for expert, start, end in plan.spans]
     return torch.cat(products)  # [pairs, out]
 
 
