@@ -160,6 +160,10 @@ def _assert_mixed_batch_matches_peft(moe_model, kernels: bool) -> None:
     assert runner.model_config.moe.num_experts == 8
     moe_layers = [m for m in runner.model.modules() if isinstance(m, SparseMoe)]
     assert all((m.packed is None) == kernels for m in moe_layers)  # packed for the CPU's path only
+    if not kernels:  # the packed experts count among the bytes the worker reports it holds
+        moe, hidden = runner.model_config.moe, runner.model_config.hidden_size
+        expert_bytes = len(moe_layers) * moe.num_experts * 3 * moe.intermediate_size * hidden * 4
+        assert runner.model.packed_bytes() >= expert_bytes
     steps = 2 if kernels else DECODE_STEPS
     assert_decode_agrees(
         runner, slots, reference, ROWS, steps, seed=2, kernels=kernels, context=margins.__str__
