@@ -46,7 +46,7 @@ print(prepare_default_model(Path('/opt/loramux/cache')))"
 
 FROM deps
 
-# tcmalloc for the CPU's workers (shared/tcmalloc.py): decode steps spend far less time allocating;
+# tcmalloc for the CPU's workers (shared/tcmalloc.py): they start faster, and decode a little faster;
 # g++ builds the CPU kernels (decode attention, LoRA) at a worker's start (kernels/cpu_library.py).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libtcmalloc-minimal4 g++ \

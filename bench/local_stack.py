@@ -13,17 +13,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loramux
+from shared import tcmalloc
 
 
 def start(module: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m module --listen 127.0.0.1:0 ...`; returns the process and the address it
-    printed on its first line."""
+    """`python -m module --listen 127.0.0.1:0 ...`, on tcmalloc where it is installed (as `make run`
+    starts its services); returns the process and the address it printed on its first line."""
     process = subprocess.Popen(
         [sys.executable, "-m", module, "--listen", "127.0.0.1:0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env={**os.environ, **(env or {})},
+        env=tcmalloc.preloading({**os.environ, **(env or {})}),
     )
     first = process.stdout.readline().split()
     if not first:

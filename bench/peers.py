@@ -704,9 +704,7 @@ def compare(model_dir: Path, peer_python: Path, grid: Grid, progress: Progress) 
 
 
 def main() -> None:
-    if tcmalloc.library() and not tcmalloc.loaded():  # loramux's side on the allocator its workers use
-        argv = [sys.executable, "-m", "bench.peers", *sys.argv[1:]]
-        os.execve(sys.executable, argv, tcmalloc.preloading(os.environ))
+    tcmalloc.run_again_preloaded()  # loramux's side on the allocator its workers use
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,6 +1,6 @@
 """Where a benchmark's figures came from, recorded with every result: the code (git commit), the
 machine (CPU model, its family and model numbers, the instruction sets torch's CPU kernels choose
-between, cores, torch and its threads, Python) and the time. Figures from two runs compare only
+between, cores, torch and its threads, Python, the allocator) and the time. Figures from two runs compare only
 when these agree."""
 
 import os
@@ -10,6 +10,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+
+from shared import tcmalloc
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = "bench/results"  # what a suite writes as it goes: a change there is no change of code
@@ -57,6 +59,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
+        "malloc": "tcmalloc" if tcmalloc.loaded() else "glibc",  # decode about 15% apart on the CPU
     }
 
 

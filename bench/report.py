@@ -66,6 +66,7 @@ def provenance_table(records: list[dict]) -> str:
             "commit": commit(r),
             "measured": r["utc"],
             "CPU": cpu(r["machine"]),
+            "malloc": r["machine"].get("malloc", NOT_RECORDED),
         }
         for r in records
     ]

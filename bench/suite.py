@@ -36,6 +36,7 @@ from bench import (
 from bench.cache import default_model_dir
 from bench.record import measure, write_record
 from bench.report import write_report
+from shared import tcmalloc
 
 try:
     from bench import plots
@@ -171,4 +172,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    tcmalloc.run_again_preloaded()  # on the allocator the workers use (`make run`, the image)
     main()

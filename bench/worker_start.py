@@ -17,14 +17,13 @@ from pathlib import Path
 
 from bench.cache import default_model_dir
 from bench.local_stack import service, wait_ready
-from shared import tcmalloc
 from shared.huge_page_advice import ENV, heeded
 
 ARMS = {"advised": None, "not advised": "0"}  # THP_MEM_ALLOC_ENABLE in the worker's environment
 
 
 def seconds_to_ready(model_dir: Path, cache: Path, advice: str | None) -> float:
-    env = tcmalloc.preloading({k: v for k, v in os.environ.items() if k != ENV})
+    env = {k: v for k, v in os.environ.items() if k != ENV}
     env["LORAMUX_CACHE"] = str(cache)
     if advice is not None:
         env[ENV] = advice

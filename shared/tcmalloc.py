@@ -1,18 +1,25 @@
-"""tcmalloc under the CPU's workers. torch's CPU ops allocate and free their outputs thousands of
-times a decode step, and glibc's malloc spends much of each small op's time there (consolidating
-its free lists); tcmalloc's thread caches do not. vLLM's and SGLang's CPU backends ask for it too.
+"""tcmalloc under the CPU's workers, as vLLM's and SGLang's CPU backends ask for it. torch's CPU ops
+allocate and free their outputs many times a step; glibc's malloc consolidates its free lists as
+they come back, tcmalloc's thread caches do not. Since decode runs on prepacked kernels into
+buffers kept from step to step, that is worth little there: the default model's decode ran 1 to 3%
+faster on it at batch 32, and no faster at batches 1 and 8 (2 cores, 6 processes of each
+alternating, 2026-11-30). A worker's start gains more (README, `bench.worker_start`).
 
 It cannot be switched on from inside a process: the dynamic loader must load it first, from
-LD_PRELOAD. So launchers preload it where it is installed (Debian's libtcmalloc-minimal4; the image
-installs it), and a CPU worker started without it says so.
+LD_PRELOAD. So launchers preload it where it is installed (Debian's libtcmalloc-minimal4: the image,
+`make run`, `make test` and `make bench` install it), the benchmarks' entry points run themselves
+again on it, so their figures come from the allocator the workers use, and a CPU worker started
+without it says so.
 """
 
 import ctypes.util
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 ADVICE = (
-    "decode runs about 15% faster on tcmalloc (batch 32, 2 cores): install Debian's "
+    "decode at batch 32 ran 1 to 3% faster on tcmalloc (2 cores): install Debian's "
     "libtcmalloc-minimal4 and start with LD_PRELOAD=libtcmalloc_minimal.so.4"
 )
 
@@ -29,6 +36,15 @@ def preloading(env: Mapping[str, str]) -> dict[str, str]:
     if found and "tcmalloc" not in preloaded:
         env["LD_PRELOAD"] = ":".join(filter(None, [found, preloaded]))
     return env
+
+
+def run_again_preloaded() -> None:
+    """Replaces this process with its own command line on tcmalloc, where it is installed and
+    LD_PRELOAD does not name it yet; else returns. Once only: a tcmalloc in LD_PRELOAD that the
+    loader could not load is not tried again."""
+    env = preloading(os.environ)
+    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def loaded(maps: Path = Path("/proc/self/maps")) -> bool:

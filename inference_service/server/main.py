@@ -209,7 +209,7 @@ def main() -> None:
     try:
         config = parse_config(sys.argv[1:])
         if config.engine.device == "cpu" and not tcmalloc.loaded():
-            logging.getLogger(__name__).warning("CPU worker on glibc's malloc: %s", tcmalloc.ADVICE)
+            logging.getLogger(__name__).info("CPU worker on glibc's malloc: %s", tcmalloc.ADVICE)
         uvloop.run(serve(config))
     except LoramuxError as e:  # flags, or a model and cache sizes that cannot serve
         sys.exit(f"inference worker: {e}")

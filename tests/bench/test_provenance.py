@@ -1,10 +1,15 @@
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from bench.provenance import CPU_FLAGS, commit
 from bench.record import measure, write_record
 from bench.report import write_report
+from shared import tcmalloc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +44,15 @@ def test_a_written_record_and_the_report_name_the_commit_and_cpu_it_ran_on(tmp_p
     assert written["machine"]["cpu_family"] == family
     assert f"{model}, {family} ({'avx2' if 'avx2' in flags else 'no avx2'}, " in report
     assert "not recorded" not in report
+
+
+@pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
+def test_a_record_names_the_allocator_its_process_ran_on():
+    probe = "from bench.provenance import machine; print(machine()['malloc'])"
+    env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
+    for environment, expected in ((env, "glibc"), (tcmalloc.preloading(env), "tcmalloc")):
+        reply = subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True)
+        assert reply.stdout.strip() == expected, reply.stderr
 
 
 def test_commit_is_dirty_while_tracked_files_differ_from_it(tmp_path):

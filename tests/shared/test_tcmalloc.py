@@ -1,12 +1,14 @@
 """tcmalloc under the CPU's workers: launchers put it first in LD_PRELOAD where it is installed,
-and a process can tell whether it allocates with it."""
+entry points run themselves again on it, and a process can tell whether it allocates with it."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from bench import local_stack
 from inference_service.demo import demo
 from shared import tcmalloc
 
@@ -47,6 +49,33 @@ def test_a_process_started_preloading_it_allocates_with_tcmalloc():
     for environment, expected in ((env, "False"), (tcmalloc.preloading(env), "True")):
         reply = subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True)
         assert reply.stdout.strip() == expected, reply.stderr
+
+
+@pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
+def test_an_entry_point_runs_its_own_command_again_on_tcmalloc_once(tmp_path):
+    """As `python -m bench.suite` and `bench.peers` begin: the same command line, now on tcmalloc.
+    A tcmalloc already named in LD_PRELOAD that the loader could not load is not tried again."""
+    probe = "import sys; from shared import tcmalloc; tcmalloc.run_again_preloaded(); "
+    probe += "print(tcmalloc.loaded(), sys.argv[1:])"
+    env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
+    missing = {**env, "LD_PRELOAD": str(tmp_path / "libtcmalloc_minimal.so.4")}
+    for environment, expected in ((env, "True"), (missing, "False")):
+        command = [sys.executable, "-c", probe, "--only", "moe"]
+        reply = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=60)
+        assert reply.stdout.strip() == f"{expected} ['--only', 'moe']", reply.stderr
+
+
+@pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
+def test_the_benchmarks_services_allocate_with_tcmalloc(tmp_path, monkeypatch):
+    """bench.local_stack starts the stores and workers the serving benchmarks measure as `make run`
+    starts them, whatever the benchmark's own process runs on."""
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    store, _ = local_stack.start("adapter_store", "--data-dir", str(tmp_path))
+    try:
+        assert tcmalloc.loaded(Path(f"/proc/{store.pid}/maps"))
+    finally:
+        store.terminate()
+        store.wait()
 
 
 def test_a_cpu_worker_on_glibcs_malloc_says_so_and_make_runs_does_not(tmp_path, capfd, monkeypatch):
