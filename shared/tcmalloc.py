@@ -1,9 +1,10 @@
 """tcmalloc under the CPU's workers, as vLLM's and SGLang's CPU backends ask for it. torch's CPU ops
 allocate and free their outputs many times a step; glibc's malloc consolidates its free lists as
 they come back, tcmalloc's thread caches do not. Since decode runs on prepacked kernels into
-buffers kept from step to step, that is worth little there: the default model's decode ran 1 to 3%
-faster on it at batch 32, and no faster at batches 1 and 8 (2 cores, 6 processes of each
-alternating, 2026-11-30). A worker's start gains more (README, `bench.worker_start`).
+buffers kept from step to step, that is worth a few percent at most there: tcmalloc / glibc on the
+default model's decode, medians of 6 pairs of processes, 1.006 to 1.06 over batches 1, 8 and 32 in
+fp32 and bf16 (2 cores, 2026-11-30: `python -m bench.allocator`). A worker's start gains more
+(README, `bench.worker_start`).
 
 It cannot be switched on from inside a process: the dynamic loader must load it first, from
 LD_PRELOAD. So launchers preload it where it is installed (Debian's libtcmalloc-minimal4: the image,
@@ -19,8 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ADVICE = (
-    "decode at batch 32 ran 1 to 3% faster on tcmalloc (2 cores): install Debian's "
-    "libtcmalloc-minimal4 and start with LD_PRELOAD=libtcmalloc_minimal.so.4"
+    "decode runs up to a few percent faster on tcmalloc and a worker starts sooner: install "
+    "Debian's libtcmalloc-minimal4 and start with LD_PRELOAD=libtcmalloc_minimal.so.4"
 )
 
 
