@@ -1,7 +1,5 @@
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,7 @@ from bench.provenance import CPU_FLAGS, commit
 from bench.record import measure, write_record
 from bench.report import write_report
 from shared import tcmalloc
+from tests.allocators import on_each_allocator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,10 +48,7 @@ def test_a_written_record_and_the_report_name_the_commit_and_cpu_it_ran_on(tmp_p
 @pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
 def test_a_record_names_the_allocator_its_process_ran_on():
     probe = "from bench.provenance import machine; print(machine()['malloc'])"
-    env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
-    for environment, expected in ((env, "glibc"), (tcmalloc.preloading(env), "tcmalloc")):
-        reply = subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True)
-        assert reply.stdout.strip() == expected, reply.stderr
+    assert on_each_allocator(probe) == ("glibc", "tcmalloc")
 
 
 def test_commit_is_dirty_while_tracked_files_differ_from_it(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from bench import local_stack
 from inference_service.demo import demo
 from shared import tcmalloc
+from tests.allocators import on_each_allocator
 
 LIBRARY = "libtcmalloc_minimal.so.4"
 
@@ -45,10 +46,7 @@ def test_loaded_reads_the_libraries_mapped(tmp_path):
 def test_a_process_started_preloading_it_allocates_with_tcmalloc():
     """As `make run` starts its services (demo._spawn), and as the process itself sees it."""
     probe = "from shared import tcmalloc; print(tcmalloc.loaded())"
-    env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
-    for environment, expected in ((env, "False"), (tcmalloc.preloading(env), "True")):
-        reply = subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True)
-        assert reply.stdout.strip() == expected, reply.stderr
+    assert on_each_allocator(probe) == ("False", "True")
 
 
 @pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
