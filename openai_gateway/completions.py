@@ -27,14 +27,15 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
     """Tools are shown to the model by the chat template unless tool_choice is "none"."""
     start = time.perf_counter()
     mode = body.tool_mode
-    parser = parser_for(mode, (await upstream.model_info()).tool_call_format if mode == "auto" else "")
+    tool_format = (await upstream.model_info()).tool_call_format if mode == "auto" else ""
+    parser = parser_for(mode, tool_format)
     given = {"messages": [m.sdk_message() for m in body.messages]}
     if parser is not None:
         given["tools"] = [
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
         ]
     renderer = ChatRenderer(body.model, body.alternatives, body.include_usage, tool_parser=parser)
-    return await _serve(request, body, [given], renderer, upstream, metrics, start)
+    return await _serve(request, body, [given], renderer, upstream, metrics, start, tool_format)
 
 
 async def text(request: Request, body: CompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
@@ -43,10 +44,17 @@ async def text(request: Request, body: CompletionRequest, upstream: Upstream, me
 
 
 async def _serve(
-    request, body, inputs: list[dict], renderer: Renderer, upstream: Upstream, metrics, start: float
+    request,
+    body,
+    inputs: list[dict],
+    renderer: Renderer,
+    upstream: Upstream,
+    metrics,
+    start: float,
+    tool_format: str = "",
 ):
     adapter = await upstream.adapter_for(body.model)
-    sampling = body.sdk_sampling(_asked_logprobs(body.alternatives)) | constraint(body)
+    sampling = body.sdk_sampling(_asked_logprobs(body.alternatives)) | constraint(body, tool_format)
     samples = await Samples.start(
         upstream.client, body.model, adapter, inputs, body.n, sampling, body.seed, renderer.id
     )

@@ -5,8 +5,14 @@ constraint its grammar engine cannot hold whole.
 
 A forced tool choice is a JSON schema: a named function's output is its arguments; "required"
 is an array of one or more {"name", "arguments"} calls (one when parallel_tool_calls is false),
-each item a call of one of the tools with arguments of that tool's schema.
+each item a call of one of the tools with arguments of that tool's schema. `"auto"` on a chat
+template that teaches Hermes' format is a grammar: any text, in which each <tool_call> block the
+model opens must be a call of one of the tools with arguments of its schema, as the template
+writes one (none or one block when parallel_tool_calls is false). The text is left free until the
+model writes the block's opening tag (llguidance's lazy lexemes); then the block is held whole.
 """
+
+import json
 
 from .errors import ApiError
 from .protocol import (
@@ -21,9 +27,10 @@ from .protocol import (
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def constraint(body: Sampling) -> dict:
+def constraint(body: Sampling, tool_format: str = "") -> dict:
     """The SDK keyword of the request's one constraint ({}: none); a 400 when two parameters
-    would each constrain the output."""
+    would each constrain the output. `tool_format`: the tool-call format the model's chat template
+    teaches ("hermes"), which `"auto"` holds calls to where nothing else constrains the output."""
     given = {}
     if body.response_format is not None and body.response_format.type != "text":
         given["response_format"] = of_response_format(body.response_format)
@@ -34,6 +41,8 @@ def constraint(body: Sampling) -> dict:
     if len(given) > 1:
         names = " and ".join(f"`{name}`" for name in given)
         raise ApiError(400, f"{names} each constrain the output; give one of them", next(iter(given)))
+    if not given and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and tool_format:
+        return of_auto_tools(body.tools, body.parallel_tool_calls)
     return next(iter(given.values()), {})
 
 
@@ -66,6 +75,28 @@ def of_required_tools(tools: list[Tool], parallel: bool) -> dict:
     if not parallel:
         schema["maxItems"] = 1
     return {"json_schema": schema}
+
+
+def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
+    """Hermes' blocks, <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, among free text."""
+    functions = " | ".join(f"function_{i}" for i in range(len(tools)))
+    lines = [
+        "%llguidance {}",
+        "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
+        r"TEXT: /(.|\n)*/",
+        r"SPACE: /\s*/",
+        'opening[lazy]: TEXT "<tool_call>"',
+        rf'call: opening "\n{{\"name\": " ({functions}) "}}\n</tool_call>"',
+    ]
+    for i, tool in enumerate(tools):
+        head = json.dumps(f"{json.dumps(tool.function.name)}, " + '"arguments": ')
+        lines.append(f"function_{i}: {head} %json {json.dumps(_compact(_arguments(tool)))}")
+    return {"grammar": "\n".join(lines) + "\n"}
+
+
+def _compact(schema: dict) -> dict:
+    """The schema, its JSON written without free whitespace runs, as the other constraints'."""
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_flexible": False}}
 
 
 def _call(tool: Tool) -> dict:

@@ -237,7 +237,7 @@ class FunctionDef(Closed):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None  # calls always follow the whole schema, strict or not
+    strict: bool | None = None  # calls follow the whole schema, strict or not (constraints.py)
 
 
 class Tool(Closed):

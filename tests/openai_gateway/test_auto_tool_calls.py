@@ -1,12 +1,15 @@
 """`tool_choice: "auto"` on a model whose chat template teaches Hermes' tool-call format
 (tests/hermes_chat_template.jinja): the gateway reads <tool_call> blocks from the model's text
-into `tool_calls`, whole and streamed, with the text before them as content. The model has random
+into `tool_calls`, whole and streamed, with the text before them as content, and holds the blocks
+to the tools' schemas (the grammar itself: test_auto_tool_grammar.py). The model has random
 weights, so a regex constraint makes it write a call (vLLM's `structured_outputs` beside tools)."""
 
 import json
 import shutil
 from pathlib import Path
 
+import jsonschema
+import openai
 import pytest
 from openai import OpenAI
 
@@ -21,8 +24,12 @@ WEATHER = {
         "name": "get_weather",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
             "required": ["city", "days"],
+            "additionalProperties": False,
         },
     },
 }
@@ -80,3 +87,28 @@ def test_text_without_a_block_is_content(hermes_client):
     ).choices[0]
     assert choice.message.tool_calls is None and choice.finish_reason == "stop"
     assert choice.message.content.startswith("No call: ")
+
+
+def test_calls_under_auto_alone_follow_the_tools_schemas(hermes_client):
+    """No other constraint: the worker samples under the gateway's grammar for the tools."""
+    client, model = hermes_client
+    choice = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[WEATHER], max_tokens=24, temperature=1.0, seed=3
+    ).choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_schema_the_grammar_engine_cannot_hold_is_refused_under_auto(hermes_client):
+    """As under "required" or a named tool: a 400 naming what cannot be held, not calls nobody
+    checked."""
+    client, model = hermes_client
+    tags = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    tool = {
+        "type": "function",
+        "function": {"name": "tag", "parameters": {"type": "object", "properties": {"tags": tags}}},
+    }
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model, messages=MESSAGES, tools=[tool], max_tokens=4)
+    assert "uniqueItems" in raised.value.message

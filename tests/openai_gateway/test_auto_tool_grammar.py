@@ -1,0 +1,112 @@
+"""`tool_choice: "auto"` on a Hermes chat template: the grammar the gateway sends holds each
+<tool_call> block the model opens to a call of one of the tools, with arguments of that tool's
+schema, and leaves the text outside blocks free. Checked with the worker's own grammar engine
+(Grammars: llguidance on the default model's tokenizer): the texts it takes and refuses, and what
+decoding under its masks writes once a block is open."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from inference_service.engine.grammars import Grammars, mask_rows
+from inference_service.sampling import Structured
+from openai_gateway.constraints import constraint
+from openai_gateway.protocol import ChatCompletionRequest
+from openai_gateway.tool_calls import HermesCalls, whole_calls
+
+from .test_auto_tool_calls import WEATHER
+
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: no arguments
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","days":3}}\n</tool_call>'
+SCHEMAS = {
+    "get_weather": WEATHER["function"]["parameters"],
+    "get_time": {"type": "object", "additionalProperties": False},
+}
+
+
+def request(parallel: bool = True, **more) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    return ChatCompletionRequest(
+        model="m", messages=messages, tools=[WEATHER, CLOCK], parallel_tool_calls=parallel, **more
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def grammars(default_model_dir, tokenizer):
+    grammars = Grammars(default_model_dir / "tokenizer.json", tokenizer.get_vocab_size(), (2,), timeout_s=60)
+    yield grammars
+    grammars.close()
+
+
+def matcher(grammars: Grammars, parallel: bool):
+    sent = constraint(request(parallel), tool_format="hermes")
+    return grammars.matcher(Structured("grammar", sent["grammar"]))
+
+
+def takes(grammars: Grammars, tokenizer: Tokenizer, parallel: bool, text: str) -> bool:
+    """Whether the grammar takes the whole of `text` and may end there."""
+    m = matcher(grammars, parallel)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(
+    "text, taken_when_parallel, taken_alone",
+    [
+        ("No call is needed.", True, True),
+        ("Sure. " + CALL, True, True),
+        ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', True, True),
+        (CALL + "\n" + CALL, True, False),  # two calls: parallel_tool_calls false takes one
+        (CALL + " and some text", True, False),  # after its one call, only space
+        (CALL.replace('"days":3', '"days":9'), False, False),  # past the schema's maximum
+        (CALL.replace('"Paris"', '"Oslo"'), False, False),  # outside the enum
+        (CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
+        (CALL.replace('"days":3', '"days":3,"unit":"C"'), False, False),  # no such argument
+        (CALL + "\n" + CALL.replace("get_weather", "get_wether"), False, False),
+    ],
+)
+def test_the_grammar_takes_free_text_and_calls_of_the_tools_only(
+    grammars, tokenizer, parallel, text, taken_when_parallel, taken_alone
+):
+    assert takes(grammars, tokenizer, parallel, text) == (taken_when_parallel if parallel else taken_alone)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammars, tokenizer, seed):
+    """Random logits stand for a model that knows no tool: once it opens a block, the masks leave
+    it only calls of the tools with arguments of their schemas, and the gateway reads one."""
+    m = matcher(grammars, parallel=True)
+    text = "Sure. <tool_call>"
+    assert m.consume_tokens(tokenizer.encode(text, add_special_tokens=False).ids)
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    while "</tool_call>" not in tokenizer.decode(ids) and len(ids) < 200:
+        logits = torch.randn(1, tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
+        token = int(mask_rows(logits, [m]).argmax())
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+    written = text + tokenizer.decode(ids)
+    parser = HermesCalls()
+    parsed = parser.feed(written)
+    parsed += parser.end()
+    [call] = whole_calls(parsed.calls)
+    name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, SCHEMAS[name])
+    after = written.split("</tool_call>", 1)[1]  # what the tag's last token brought past it
+    assert parsed.content == "Sure. " + (after if after.strip() else "")
+
+
+def test_another_constraint_given_with_auto_is_the_one_held():
+    """As vLLM's `structured_outputs` beside tools: the caller's constraint, alone."""
+    given = request(structured_outputs={"regex": "No call: [a-z]{4}"})
+    assert constraint(given, tool_format="hermes") == {"regex": "No call: [a-z]{4}"}
+    assert constraint(request(), tool_format="") == {}  # a template without a format: nothing to hold
