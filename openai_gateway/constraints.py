@@ -90,7 +90,8 @@ def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
     ]
     for i, tool in enumerate(tools):
         head = json.dumps(f"{json.dumps(tool.function.name)}, " + '"arguments": ')
-        lines.append(f"function_{i}: {head} %json {json.dumps(_compact(_arguments(tool)))}")
+        schema = json.dumps(_compact(_arguments(tool)), separators=(",", ":"))
+        lines.append(f"function_{i}: {head} %json {schema}")
     return {"grammar": "\n".join(lines) + "\n"}
 
 
