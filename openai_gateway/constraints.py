@@ -90,9 +90,38 @@ def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
     ]
     for i, tool in enumerate(tools):
         head = json.dumps(f"{json.dumps(tool.function.name)}, " + '"arguments": ')
-        schema = json.dumps(_compact(_arguments(tool)), separators=(",", ":"))
+        schema = json.dumps(_compact(_bare(_arguments(tool))), separators=(",", ":"))
         lines.append(f"function_{i}: {head} %json {schema}")
     return {"grammar": "\n".join(lines) + "\n"}
+
+
+# Keywords that say what a value means and constrain nothing: left out of auto's grammar, which
+# carries every tool's schema and counts toward a constraint's 64 KiB.
+ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "deprecated"}
+ANNOTATIONS |= {"readOnly", "writeOnly"}
+# Where schemas hold subschemas: maps of them, lists of them (items' old list form too), one of them.
+SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+SCHEMA_LISTS = {"allOf", "anyOf", "oneOf", "prefixItems", "items"}
+SCHEMA_ONE = {"items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else"}
+SCHEMA_ONE |= {"propertyNames", "unevaluatedProperties", "unevaluatedItems"}
+
+
+def _bare(schema: object) -> object:
+    """The schema without its annotations, at every level; every other keyword as it was."""
+    if not isinstance(schema, dict):
+        return schema  # true, false, or what the grammar engine will refuse
+    bare = {}
+    for key, value in schema.items():
+        if key in ANNOTATIONS:
+            continue
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _bare(sub) for name, sub in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            value = [_bare(sub) for sub in value]
+        elif key in SCHEMA_ONE:
+            value = _bare(value)
+        bare[key] = value
+    return bare
 
 
 def _compact(schema: dict) -> dict:

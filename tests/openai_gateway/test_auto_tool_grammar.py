@@ -110,3 +110,59 @@ def test_another_constraint_given_with_auto_is_the_one_held():
     given = request(structured_outputs={"regex": "No call: [a-z]{4}"})
     assert constraint(given, tool_format="hermes") == {"regex": "No call: [a-z]{4}"}
     assert constraint(request(), tool_format="") == {}  # a template without a format: nothing to hold
+
+
+def sent_schemas(tools: list[dict]) -> list[dict]:
+    """The tools' schemas as auto's grammar carries them (each after `%json`, one per line)."""
+    grammar = constraint(request_with(tools), tool_format="hermes")["grammar"]
+    return [json.loads(line.split(" %json ", 1)[1]) for line in grammar.splitlines() if " %json " in line]
+
+
+def request_with(tools: list[dict]) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "?"}], tools=tools)
+
+
+def test_the_grammar_carries_the_schemas_without_their_annotations():
+    """Descriptions, titles, examples and defaults constrain nothing; a property named like one,
+    and enum values, stay."""
+    described = {"type": "string", "description": "The city.", "title": "City", "examples": ["Paris"]}
+    parameters = {
+        "type": "object",
+        "title": "Arguments",
+        "properties": {
+            "city": described,
+            "description": {"type": "string", "enum": ["title", "description"], "default": "title"},
+            "stops": {"type": "array", "items": {"type": "string", "description": "A stop."}},
+        },
+        "anyOf": [{"required": ["city"], "description": "by city"}, {"required": ["description"]}],
+    }
+    tool = {"type": "function", "function": {"name": "route", "parameters": parameters}}
+    [schema] = sent_schemas([tool])
+    assert schema == {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "description": {"type": "string", "enum": ["title", "description"]},
+            "stops": {"type": "array", "items": {"type": "string"}},
+        },
+        "anyOf": [{"required": ["city"]}, {"required": ["description"]}],
+        "x-guidance": {"whitespace_flexible": False},
+    }
+
+
+def test_many_described_tools_fit_a_constraint():
+    """128 tools (OpenAI's most) of 10 described arguments each: what their descriptions would
+    take past a constraint's 64 KiB is left out."""
+    words = "The value this argument takes, in the units the caller uses. " * 2
+    arguments = {f"argument_{i}": {"type": "string", "description": words} for i in range(10)}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"tool_{k}", "parameters": {"type": "object", "properties": arguments}},
+        }
+        for k in range(128)
+    ]
+    assert len(json.dumps([t["function"]["parameters"] for t in tools])) > 64 << 10
+    grammar = constraint(request_with(tools), tool_format="hermes")["grammar"]
+    assert len(grammar) <= 64 << 10
+    Structured("grammar", grammar)  # the worker's own bound on a constraint's text
