@@ -90,13 +90,13 @@ def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
     ]
     for i, tool in enumerate(tools):
         head = json.dumps(f"{json.dumps(tool.function.name)}, " + '"arguments": ')
-        schema = json.dumps(_compact(_bare(_arguments(tool))), separators=(",", ":"))
+        schema = json.dumps(_compact(_arguments(tool)), separators=(",", ":"))
         lines.append(f"function_{i}: {head} %json {schema}")
     return {"grammar": "\n".join(lines) + "\n"}
 
 
-# Keywords that say what a value means and constrain nothing: left out of auto's grammar, which
-# carries every tool's schema and counts toward a constraint's 64 KiB.
+# Keywords that say what a value means and constrain nothing: left out of the schemas the tools'
+# constraints carry (auto's grammar holds every tool's), which count toward a constraint's 64 KiB.
 ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "deprecated"}
 ANNOTATIONS |= {"readOnly", "writeOnly"}
 # Where schemas hold subschemas: maps of them, lists of them (items' old list form too), one of them.
@@ -139,6 +139,7 @@ def _call(tool: Tool) -> dict:
 
 
 def _arguments(tool: Tool) -> dict:
-    """The function's parameter schema; none: it takes no arguments (OpenAI's reading)."""
+    """The function's parameter schema without its annotations; none: it takes no arguments
+    (OpenAI's reading)."""
     parameters = tool.function.parameters
-    return NO_ARGUMENTS if parameters is None else parameters
+    return NO_ARGUMENTS if parameters is None else _bare(parameters)
