@@ -41,7 +41,8 @@ def constraint(body: Sampling, tool_format: str = "") -> dict:
     if len(given) > 1:
         names = " and ".join(f"`{name}`" for name in given)
         raise ApiError(400, f"{names} each constrain the output; give one of them", next(iter(given)))
-    if not given and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and tool_format:
+    hermes = tool_format == "hermes"  # the one format the gateway reads calls in (tool_calls.py)
+    if not given and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and hermes:
         return of_auto_tools(body.tools, body.parallel_tool_calls)
     return next(iter(given.values()), {})
 
