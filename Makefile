@@ -50,8 +50,8 @@ nginx:
 	python3 -m venv .venv
 	touch $@
 
-# CPU workers and the benchmarks allocate with tcmalloc (shared/tcmalloc.py: decode about 15% faster
-# than on glibc's malloc), as vLLM's and SGLang's CPU backends do: Debian's, installed when missing.
+# CPU workers and the benchmarks allocate with tcmalloc (shared/tcmalloc.py: a worker starts sooner,
+# decode gains a few percent), as vLLM's and SGLang's CPU backends do: Debian's, installed when missing.
 tcmalloc:
 	@/sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \

@@ -1,7 +1,7 @@
 """Where a benchmark's figures came from, recorded with every result: the code (git commit), the
 machine (CPU model, its family and model numbers, the instruction sets torch's CPU kernels choose
-between, cores, torch and its threads, Python, the allocator) and the time. Figures from two runs compare only
-when these agree."""
+between, cores, torch and its threads, Python, the allocator) and the time. Figures from two runs
+compare only when these agree."""
 
 import os
 import platform
@@ -59,7 +59,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
-        "malloc": "tcmalloc" if tcmalloc.loaded() else "glibc",  # decode about 15% apart on the CPU
+        "malloc": "tcmalloc" if tcmalloc.loaded() else "glibc",  # python -m bench.allocator: how far apart
     }
 
 

@@ -98,13 +98,32 @@ def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
 
 # Keywords that say what a value means and constrain nothing: left out of the schemas the tools'
 # constraints carry (auto's grammar holds every tool's), which count toward a constraint's 64 KiB.
-ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "deprecated"}
-ANNOTATIONS |= {"readOnly", "writeOnly"}
+ANNOTATIONS = {
+    "title",
+    "description",
+    "examples",
+    "default",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+}
 # Where schemas hold subschemas: maps of them, lists of them (items' old list form too), one of them.
 SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 SCHEMA_LISTS = {"allOf", "anyOf", "oneOf", "prefixItems", "items"}
-SCHEMA_ONE = {"items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else"}
-SCHEMA_ONE |= {"propertyNames", "unevaluatedProperties", "unevaluatedItems"}
+SCHEMA_ONE = {
+    "items",
+    "additionalProperties",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+}
 
 
 def _bare(schema: object) -> object:
