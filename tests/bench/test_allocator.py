@@ -27,3 +27,14 @@ def test_a_pair_decodes_on_each_allocator_in_turn(tiny_models):
         assert len(arms["glibc"]) == len(arms["tcmalloc"]) == 1
         assert arms["ratio"] == [arms["tcmalloc"][0] / arms["glibc"][0]]
         assert arms["glibc"][0] > 0 and arms["tcmalloc"][0] > 0
+
+
+@pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
+def test_a_process_that_ran_on_the_other_allocator_is_refused(tiny_models, monkeypatch):
+    """An arm whose environment did not give it its allocator measures nothing."""
+    glibc_env = allocator.arm_env
+    monkeypatch.setattr(
+        allocator, "arm_env", lambda arm: glibc_env("tcmalloc" if arm == "glibc" else "glibc")
+    )
+    with pytest.raises(RuntimeError, match="the glibc arm's process ran on tcmalloc"):
+        allocator.run_arm("glibc", tiny_models["llama"], "float32", (1,), 2)

@@ -43,6 +43,7 @@ def test_a_written_record_and_the_report_name_the_commit_and_cpu_it_ran_on(tmp_p
     assert written["machine"]["cpu_family"] == family
     assert f"{model}, {family} ({'avx2' if 'avx2' in flags else 'no avx2'}, " in report
     assert "not recorded" not in report
+    assert f"| {written['machine']['malloc']} |" in report  # the allocator, in the provenance table
 
 
 @pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
