@@ -64,6 +64,24 @@ def test_an_entry_point_runs_its_own_command_again_on_tcmalloc_once(tmp_path):
 
 
 @pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
+@pytest.mark.parametrize("module", ["bench.suite", "bench.peers"])
+def test_the_benchmarks_entry_points_run_on_tcmalloc(module):
+    """`python -m bench.suite` (make bench) and `bench.peers` (make bench-peers), started without
+    it: what runs their arguments (here --help) allocates with tcmalloc."""
+    probe = (
+        "import atexit, runpy, sys; from shared import tcmalloc; "
+        "atexit.register(lambda: print('on tcmalloc:', tcmalloc.loaded())); "
+        f"sys.argv = [{module!r}, '--help']; runpy.run_module({module!r}, run_name='__main__')"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
+    reply = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert reply.returncode == 0 and "usage:" in reply.stdout, reply.stderr
+    assert reply.stdout.strip().endswith("on tcmalloc: True")
+
+
+@pytest.mark.skipif(tcmalloc.library() is None, reason="tcmalloc is not installed here")
 def test_the_benchmarks_services_allocate_with_tcmalloc(tmp_path, monkeypatch):
     """bench.local_stack starts the stores and workers the serving benchmarks measure as `make run`
     starts them, whatever the benchmark's own process runs on."""
