@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as CompileTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +23,17 @@ import llguidance
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from inference_service.engine.deep_stack_threads import DeepStackThreads
 from inference_service.engine.histogram import Histogram
 from inference_service.sampling import Structured
 from shared.errors import InvalidArgument
 
 CACHE_SIZE = 256  # compiled constraints kept
 COMPILE_THREADS = 2  # the grammar engine drops the GIL while it compiles: steps go on beside it
+# The grammar engine compiles by recursion as deep as a constraint's rules chain or its schema's
+# definitions nest, and overflowing a stack kills the process. Within MAX_STRUCTURED_CHARS the
+# deepest measured (a Lark chain of 5,572 alternations) needed 16 to 20 MiB; threads get 8.
+COMPILE_STACK_BYTES = 64 << 20
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
 
@@ -53,7 +58,7 @@ class Grammars:
         self._tokenizer_lock = threading.Lock()  # its first build, on a compile thread
         self._compiled: OrderedDict[Structured, Future] = OrderedDict()  # of the matcher to copy
         self._lock = threading.Lock()  # the cache and the counters
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._pool = DeepStackThreads(COMPILE_THREADS, COMPILE_STACK_BYTES, "grammar")
         self.requests = self.compiles = self.hits = 0
         self.compile_seconds = Histogram(COMPILE_SECONDS_BUCKETS)
 
@@ -108,7 +113,7 @@ class Grammars:
             return GrammarStats(self.requests, self.compiles, self.hits, self.compile_seconds.copy())
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     @property
     def _tokenizer(self) -> llguidance.LLTokenizer:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from inference_service.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
+from tests.deep_constraints import DEEP, deepest
 from tests.e2e.conftest import WorkerProcess
 
 MAX_MODEL_LEN = 128  # the KV cache holds one such request and no more
@@ -134,6 +135,25 @@ def test_worker_serves_a_normal_request_after_the_fuzzing(stub, worker):  # runs
         stub, pb.GenerateRequest(text="Hello", sampling=pb.SamplingParams(max_tokens=4))
     )
     assert code is grpc.StatusCode.OK and responses[-1].final.usage.completion_tokens == 4
+    assert worker.process.poll() is None
+
+
+@pytest.mark.parametrize("name", DEEP)
+def test_constraint_as_deep_as_its_bound_allows_leaves_the_worker_serving(stub, worker, name):
+    """Compiling it recurses that deep: on a default thread's stack it killed the worker. Served,
+    or stopped where the grammar engine's parser gives up (a right-recursive chain outgrows its
+    rows), with the cause."""
+    kind, build = DEEP[name]
+    sampling = pb.SamplingParams(max_tokens=4, **{kind: deepest(build)})
+    code, details, responses = generate(stub, pb.GenerateRequest(text="Hello", sampling=sampling))
+    if code is grpc.StatusCode.OK:
+        assert responses[-1].final.usage.completion_tokens >= 1
+    else:
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "grammar engine" in details, details
+    code, _, responses = generate(
+        stub, pb.GenerateRequest(text="Hello", sampling=pb.SamplingParams(max_tokens=2))
+    )
+    assert code is grpc.StatusCode.OK and responses[-1].final.usage.completion_tokens == 2
     assert worker.process.poll() is None
 
 
