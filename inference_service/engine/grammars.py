@@ -11,6 +11,8 @@ from several threads at once; the step thread never compiles."""
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import llguidance
 import torch
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import is_lark_syntax
 
 from inference_service.engine.deep_stack_threads import DeepStackThreads
 from inference_service.engine.histogram import Histogram
@@ -34,6 +36,23 @@ COMPILE_THREADS = 2  # the grammar engine drops the GIL while it compiles: steps
 # definitions nest, and overflowing a stack kills the process. Within MAX_STRUCTURED_CHARS the
 # deepest measured (a Lark chain of 5,572 alternations) needed 16 to 20 MiB; threads get 8.
 COMPILE_STACK_BYTES = 64 << 20
+# The grammar engine reads GBNF in Python, in time quadratic in a chain of rules (64 KiB of them:
+# 7 s of CPU). In this process it held the GIL the steps need between kernels. It runs in a process
+# of its own (40 ms more a constraint), at the lowest priority past its first half second of CPU.
+# `bench.compile_stall`: 8 streams decoding beside such a read kept 0.14 of their speed in this
+# process, 0.23 in a child at full priority and 0.66 to 0.68 so; a small grammar read beside them
+# takes 0.07 s (at the lowest priority throughout, 4 s).
+GBNF_CPU_AT_FULL_PRIORITY_S = 0.5
+GBNF_TO_LARK = f"""
+import os, signal, sys
+signal.signal(signal.SIGVTALRM, lambda *_: os.nice(19))
+signal.setitimer(signal.ITIMER_VIRTUAL, {GBNF_CPU_AT_FULL_PRIORITY_S})
+from llguidance.gbnf_to_lark import gbnf_to_lark
+try:
+    sys.stdout.write(gbnf_to_lark(sys.stdin.read()))
+except Exception as e:  # its refusals are bare Exceptions: the message, to stderr, exit 1
+    sys.exit(str(e))
+"""
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
 
@@ -140,8 +159,8 @@ class Grammars:
     def _matcher_of(self, structured: Structured) -> llguidance.LLMatcher:
         refused = f"structured output {structured.kind}: "
         try:
-            grammar = _grammar(structured)
-        except Exception as e:  # the grammar engine's refusals: its GBNF reader raises bare Exception
+            grammar = _grammar(structured, self._timeout_s)
+        except Exception as e:  # the grammar engine's refusals, or JSON nested past Python's recursion
             raise InvalidArgument(refused + str(e)) from None
         tokenizer = self._tokenizer
         # (is_error, messages): an error, or warnings such as a schema keyword the engine would
@@ -156,7 +175,7 @@ class Grammars:
         return matcher
 
 
-def _grammar(structured: Structured) -> str:
+def _grammar(structured: Structured, timeout_s: float) -> str:
     kind, spec = structured.kind, structured.spec
     compact = {"whitespace_flexible": False}  # no free whitespace runs: compact JSON
     if kind == "json_object":
@@ -171,7 +190,30 @@ def _grammar(structured: Structured) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in structured.choices))
-    return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))  # GBNF (::= rules) or Lark
+    return llguidance.LLMatcher.grammar_from_lark(
+        spec if is_lark_syntax(spec) else _lark_of_gbnf(spec, timeout_s)
+    )
+
+
+def _lark_of_gbnf(gbnf: str, timeout_s: float) -> str:
+    """GBNF (rules written with ::=) as Lark, read by the grammar engine in a child process."""
+    try:
+        child = subprocess.run(
+            [sys.executable, "-I", "-c", GBNF_TO_LARK],
+            input=gbnf,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"its GBNF took longer than {timeout_s:g} s to read (--grammar-compile-timeout)"
+        ) from None
+    if child.returncode != 0:
+        raise ValueError(
+            child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"exit {child.returncode}"
+        )
+    return child.stdout
 
 
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
