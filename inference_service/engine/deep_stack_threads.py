@@ -2,8 +2,9 @@
 as deep as its input nests (the grammar engine compiling a constraint).
 
 The standard library's pool takes no stack size, and a thread's stack is fixed when it starts:
-these threads all start here, under `threading.stack_size`, which is set back at once. A caller
-submits work as to concurrent.futures' pool and gets the same Future.
+these threads all start at the first submit (a process that never submits has none), under
+`threading.stack_size`, which is set back at once. A caller submits work as to concurrent.futures'
+pool and gets the same Future.
 """
 
 import queue
@@ -14,25 +15,21 @@ from concurrent.futures import Future
 
 class DeepStackThreads:
     def __init__(self, threads: int, stack_bytes: int, name: str):
-        self._name = name
+        self._name, self._stack_bytes = name, stack_bytes
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (Future, fn, args); None stops a thread
-        self._lock = threading.Lock()  # no job is queued behind the stops
-        self._closed = False
+        self._lock = threading.Lock()  # the threads start once; no job is queued behind the stops
+        self._started = self._closed = False
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)
         ]
-        previous = threading.stack_size(stack_bytes)
-        try:
-            for thread in self._threads:
-                thread.start()
-        finally:
-            threading.stack_size(previous)
 
     def submit(self, fn: Callable, *args) -> Future:
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the {self._name} threads are shut down")
+            if not self._started:
+                self._start()
             self._jobs.put((future, fn, args))
         return future
 
@@ -48,6 +45,15 @@ class DeepStackThreads:
                 future.cancel()
             for _ in self._threads:
                 self._jobs.put(None)
+
+    def _start(self) -> None:
+        self._started = True
+        previous = threading.stack_size(self._stack_bytes)
+        try:
+            for thread in self._threads:
+                thread.start()
+        finally:
+            threading.stack_size(previous)
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:

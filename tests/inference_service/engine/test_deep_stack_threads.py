@@ -1,6 +1,7 @@
-"""DeepStackThreads: its threads have the stack asked for (as the C library reports a thread's own
-stack), the process's default for other threads stays as it was, work and its errors come back
-through Futures, and a shutdown cancels what has not started and refuses more."""
+"""DeepStackThreads: its threads start at the first submit, with the stack asked for (as the C
+library reports a thread's own stack); the process's default for other threads stays as it was;
+work and its errors come back through Futures; a shutdown cancels what has not started and
+refuses more."""
 
 import ctypes
 import threading
@@ -32,15 +33,24 @@ def threads():
     pool.shutdown()
 
 
+def test_threads_start_at_the_first_submit():
+    before = threading.active_count()
+    pool = DeepStackThreads(2, STACK, "test")
+    assert threading.active_count() == before
+    pool.submit(pow, 2, 3).result(timeout=10)
+    assert threading.active_count() == before + 2
+    pool.shutdown()
+
+
 def test_threads_have_the_stack_asked_for(threads):
     assert threads.submit(own_stack_bytes).result(timeout=10) == STACK
     assert own_stack_bytes() < STACK
 
 
 def test_the_default_for_other_threads_is_left_as_it_was():
-    before = threading.stack_size()
-    DeepStackThreads(1, STACK, "test").shutdown()
-    assert threading.stack_size() == before
+    pool = DeepStackThreads(1, STACK, "test")
+    pool.submit(pow, 2, 3).result(timeout=10)  # its threads started
+    pool.shutdown()
     elsewhere = []
     thread = threading.Thread(target=lambda: elsewhere.append(own_stack_bytes()))
     thread.start()
