@@ -1,7 +1,7 @@
-"""A live worker against whatever a client can send: every GenerateRequest field fuzzed at extreme
-values and sizes gets a precise status (never INTERNAL or UNKNOWN) and the worker keeps serving;
-a request longer than max_model_len (which the KV cache is sized to hold) is refused at once, the
-others unaffected."""
+"""A live worker against whatever a client can send: every GenerateRequest field (an output
+constraint among them) fuzzed at extreme values and sizes gets a precise status (never INTERNAL
+or UNKNOWN) and the worker keeps serving; a request longer than max_model_len (which the KV cache
+is sized to hold) is refused at once, the others unaffected."""
 
 import threading
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from inference_service.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from inference_service.sampling import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STRUCTURED_CHARS
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.deep_constraints import DEEP, deepest
@@ -76,6 +76,17 @@ HOSTILE_INPUT = st.one_of(
     st.lists(st.builds(pb.ChatMessage, role=TEXT, content=TEXT), max_size=5).map(_chat),
     st.just(_chat([pb.ChatMessage(role="user", content="hi")] * 10_000)),
 )
+TEXT_KINDS = st.sampled_from(["json_schema", "regex", "grammar"])
+SANE_STRUCTURED = st.sampled_from(
+    [{}, {"regex": "[a-z]{1,6}"}, {"json_object": True}, {"choice": pb.Choices(choices=["yes", "no"])}]
+)
+HOSTILE_STRUCTURED = st.one_of(
+    st.builds(lambda kind, text: {kind: text}, TEXT_KINDS, TEXT),
+    st.builds(lambda kind: {kind: "x" * (MAX_STRUCTURED_CHARS + 1)}, TEXT_KINDS),
+    st.sampled_from([{kind: deepest(build)} for kind, build in DEEP.values()]),
+    st.sampled_from([{"json_object": False}, {"choice": pb.Choices(choices=["a"] * (MAX_CHOICES + 1))}]),
+    st.lists(TEXT, max_size=4).map(lambda choices: {"choice": pb.Choices(choices=choices)}),
+)
 # field: (a valid value, so later checks and generation run too; anything a client could send)
 FIELDS = {
     "request_id": (st.text(max_size=20), st.one_of(TEXT, st.integers(250, 300).map(lambda n: "r" * n))),
@@ -98,6 +109,7 @@ FIELDS = {
     "stop_token_ids": (st.lists(st.integers(0, 60_000), max_size=8), st.lists(INT32, max_size=70)),
     "ignore_eos": (st.booleans(), st.booleans()),
     "logprobs": (st.integers(0, 20), INT32),
+    "structured": (SANE_STRUCTURED, HOSTILE_STRUCTURED),  # one of SamplingParams' oneof fields
 }
 OPTIONAL = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"}
 
@@ -108,12 +120,14 @@ def generate_requests(draw) -> pb.GenerateRequest:
     hostile = draw(st.sets(st.sampled_from(sorted(FIELDS)), max_size=3))
     value = {name: draw(FIELDS[name][name in hostile]) for name in FIELDS}
     unset = draw(st.sets(st.sampled_from(sorted(OPTIONAL - hostile))))
-    sampling = {k: v for k, v in value.items() if k not in {"request_id", "adapter", "input", *unset}}
+    sampling = {
+        k: v for k, v in value.items() if k not in {"request_id", "adapter", "input", "structured", *unset}
+    }
     event(f"hostile: {', '.join(sorted(hostile)) or 'none'}")
     return pb.GenerateRequest(
         request_id=value["request_id"],
         adapter=value["adapter"],
-        sampling=pb.SamplingParams(**sampling),
+        sampling=pb.SamplingParams(**sampling, **value["structured"]),
         **value["input"],
     )
 
