@@ -207,7 +207,7 @@ def _read_config(adapter_dir: Path, where: str) -> dict:
         raise InvalidArgument(f"{where}: {adapter_dir} has no {CONFIG_FILE}")
     try:
         cfg = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nested past the reader's limit
         raise InvalidArgument(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise InvalidArgument(f"{where}: {CONFIG_FILE} must hold a JSON object")

@@ -63,6 +63,14 @@ def _raw(write):
     return edit
 
 
+def _nested_header(data: bytes, depth: int) -> bytes:
+    """A header whose metadata nests `depth` lists deep, past any JSON reader's recursion limit."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    new = json.dumps(header).encode()[:-1] + b', "deep": ' + b"[" * depth + b"]" * depth + b"}"
+    return struct.pack("<Q", len(new)) + new + data[8 + size :]
+
+
 def _header_claims_more(data: bytes) -> bytes:
     (size,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + size])
@@ -118,6 +126,11 @@ CORPUS = {
     ),
     "config-not-json": (lambda f: (f / CONFIG).write_text("{r: 4"), INVALID, "not valid JSON"),
     "config-a-list": (lambda f: (f / CONFIG).write_text("[4]"), INVALID, "JSON object"),
+    "config-nested-deep": (  # past Python's JSON reader's recursion limit
+        lambda f: (f / CONFIG).write_text("[" * 100_000 + "]" * 100_000),
+        INVALID,
+        "not valid JSON",
+    ),
     "config-missing": (lambda f: (f / CONFIG).unlink(), INVALID, CONFIG),
     "shape-mismatch": (_set("q_proj.lora_A.weight", lambda t: torch.zeros(4, 65)), INVALID, "(4, 65)"),
     "nan": (_set("q_proj.lora_B.weight", lambda t: _poison(t, float("nan"))), INVALID, "NaN"),
@@ -143,6 +156,7 @@ CORPUS = {
     "truncated": (_raw(lambda b: b[: len(b) - 100]), INVALID, "safetensors"),
     "header-claims-more": (_raw(_header_claims_more), INVALID, "safetensors"),
     "header-length-huge": (_raw(lambda b: struct.pack("<Q", 1 << 40) + b[8:]), INVALID, "safetensors"),
+    "header-nested-deep": (_raw(lambda b: _nested_header(b, 100_000)), INVALID, "safetensors"),
     "garbage": (_raw(lambda b: os.urandom(2048)), INVALID, "safetensors"),
     "empty-weights": (_raw(lambda b: b""), INVALID, "safetensors"),
     "oversize": (_oversize, INVALID, "bytes"),
