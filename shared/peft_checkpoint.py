@@ -4,7 +4,7 @@ weights ready to serve: per (layer, module) A and B with the scaling merged into
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from shared import peft_experts, peft_vocab
 from shared.adapter_weights import AdapterWeights, ModuleLora, VocabWeights
 from shared.base_vocab import BaseVocab
+from shared.config_patterns import fullmatches
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.model_config import DENSE_TARGETS, EXPERT_TARGETS, MODULE_PARENTS, ModelConfig, peft_path
 from shared.nonfinite import first_nonfinite
@@ -45,6 +46,8 @@ class LoraConfig:
     )  # module -> re-trained rows' token ids
     # On a tied model: LoRA or a copy on the embedding or the head is on both (PEFT saves both).
     ensure_weight_tying: bool = False
+    # Each regex above -> the module names it matches whole (with_matches; config_patterns.py).
+    matches: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, cfg: dict, where: str) -> "LoraConfig":
@@ -70,20 +73,35 @@ class LoraConfig:
             float(alpha),
             bool(cfg.get("use_rslora", False)),
             targets if isinstance(targets, str) else tuple(targets),
-            dict(cfg.get("rank_pattern") or {}),
-            dict(cfg.get("alpha_pattern") or {}),
+            _patterns(cfg, "rank_pattern", _is_rank, "positive integers", where),
+            _patterns(cfg, "alpha_pattern", _is_number, "numbers", where),
             tuple(parameters),
             saved,
             tokens,
             bool(cfg.get("ensure_weight_tying", False)),
         )
 
+    def with_matches(self, names: list[str], where: str) -> "LoraConfig":
+        """This config with its regexes matched against `names`: every module name it is asked about."""
+        regexes = {_ending(p) for p in [*self.rank_pattern, *self.alpha_pattern]}
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            regexes.add(self.target_modules)
+        return replace(self, matches=fullmatches(regexes, names, where))
+
     def scaling(self, module_key: str, rank: int) -> float:
-        alpha = _pattern_value(self.alpha_pattern, module_key, self.alpha)
+        alpha = self._pattern_value(self.alpha_pattern, module_key, self.alpha)
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     def expected_rank(self, module_key: str) -> int:
-        return int(_pattern_value(self.rank_pattern, module_key, self.rank))
+        return self._pattern_value(self.rank_pattern, module_key, self.rank)
+
+    def _pattern_value(self, patterns: dict, module_key: str, default):
+        """The value of the first pattern whose key matches the end of the module name, as PEFT
+        reads rank_pattern and alpha_pattern."""
+        for pattern, value in patterns.items():
+            if module_key in self.matches[_ending(pattern)]:
+                return value
+        return default
 
 
 def load_peft_adapter(
@@ -103,7 +121,9 @@ def load_peft_adapter(
     config = LoraConfig.from_json(_read_config(adapter_dir, where), f"{where}: {CONFIG_FILE}")
     vocab_tensors, tensors = peft_vocab.split(_read_tensors(adapter_dir, where))
     pairs = _pair_tensors(tensors, peft_experts.targeted_parameters(config.target_parameters, where), where)
-    vocab_targets = _check_targets(config, pairs, model, where)
+    names = _module_names(model, pairs)
+    config = config.with_matches(names + [_module_key(*key) for key in pairs], where)
+    vocab_targets = _check_targets(config, pairs, names, model, where)
     _check_values(pairs, where)
     loading = Loading(config, model, max_rank, dtype, where)
     modules = _layer_modules(loading, pairs)
@@ -265,13 +285,20 @@ def _pair_tensors(
     return {key: (pair["A"], pair["B"]) for key, pair in sorted(halves.items())}
 
 
-def _check_targets(config: LoraConfig, pairs: dict, model: ModelConfig | None, where: str) -> set[str]:
-    """Refuse weights target_modules does not name; the vocabulary-side modules it names."""
+def _module_names(model: ModelConfig | None, pairs: dict) -> list[str]:
+    """The names target_modules may name: every linear module of the model (of the layers the
+    weights are for, without a model), and the embedding and the head."""
     layers = range(model.num_layers) if model else sorted({layer for layer, _ in pairs})
+    names = [_module_key(layer, module) for layer in layers for module in _linear_modules(model)]
+    return names + list(peft_vocab.MODULE_PATHS.values())
+
+
+def _check_targets(
+    config: LoraConfig, pairs: dict, names: list[str], model: ModelConfig | None, where: str
+) -> set[str]:
+    """Refuse weights target_modules does not name; the vocabulary-side modules it names."""
     modules = _linear_modules(model)
-    names = [_module_key(layer, module) for layer in layers for module in modules]
-    names += peft_vocab.MODULE_PATHS.values()
-    targeted = set(_targeted(config.target_modules, names, model, where)) if config.target_modules else set()
+    targeted = set(_targeted(config, names, model, where)) if config.target_modules else set()
     for layer, module in pairs:
         if model and layer >= model.num_layers:
             raise FailedPrecondition(
@@ -313,13 +340,12 @@ def _linear_modules(model: ModelConfig | None) -> tuple[str, ...]:
     return (*linear, f"{parent}.gate", *experts)
 
 
-def _targeted(
-    targets: tuple[str, ...] | str, names: list[str], model: ModelConfig | None, where: str
-) -> list[str]:
+def _targeted(config: LoraConfig, names: list[str], model: ModelConfig | None, where: str) -> list[str]:
+    targets = config.target_modules
     if targets == "all-linear":  # as PEFT reads it: every linear layer but the output head
         return [n for n in names if n not in peft_vocab.MODULE_PATHS.values()]
     if isinstance(targets, str):
-        found = [n for n in names if re.fullmatch(targets, n)]
+        found = [n for n in names if n in config.matches[targets]]
         if not found:
             raise FailedPrecondition(
                 f"{where}: target_modules regex {targets!r} matches no module of the base model"
@@ -473,9 +499,24 @@ def _module_key(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{peft_path(module)}"
 
 
-def _pattern_value(patterns: dict, module_key: str, default):
-    # PEFT matches pattern keys against the end of the module name.
-    for pattern, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module_key):
-            return value
-    return default
+def _ending(pattern: str) -> str:
+    """A rank_pattern or alpha_pattern key as a regex of the whole module name: PEFT matches the
+    key against the name's end."""
+    return rf"(.*\.)?{pattern}"
+
+
+def _patterns(cfg: dict, field_name: str, valid, what: str, where: str) -> dict:
+    patterns = cfg.get(field_name) or {}
+    if not isinstance(patterns, dict) or not all(
+        isinstance(k, str) and valid(v) for k, v in patterns.items()
+    ):
+        raise InvalidArgument(f"{where}: {field_name} must map module names or regexes to {what}")
+    return dict(patterns)
+
+
+def _is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

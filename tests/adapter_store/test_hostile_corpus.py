@@ -124,6 +124,13 @@ CORPUS = {
         INVALID,
         "lack lm_head.lora_A",
     ),
+    "rank-pattern-not-a-rank": (_config(rank_pattern={"q_proj": "x"}), INVALID, "rank_pattern"),
+    "alpha-pattern-not-a-number": (_config(alpha_pattern={"q_proj": "x"}), INVALID, "alpha_pattern"),
+    "pattern-not-a-regex": (_config(rank_pattern={"(": 4}), INVALID, "is not a regex"),
+    "target-regex-not-a-regex": (_config(target_modules="("), INVALID, "is not a regex"),
+    # Python's re backtracks through every split of a module name: minutes, before the bound
+    "pattern-backtracking": (_config(rank_pattern={"(.|.)*x": 4}), INVALID, "took longer than"),
+    "target-regex-backtracking": (_config(target_modules="(.|.)*x"), INVALID, "took longer than"),
     "config-not-json": (lambda f: (f / CONFIG).write_text("{r: 4"), INVALID, "not valid JSON"),
     "config-a-list": (lambda f: (f / CONFIG).write_text("[4]"), INVALID, "JSON object"),
     "config-nested-deep": (  # past Python's JSON reader's recursion limit
