@@ -17,6 +17,9 @@ from shared.peft_checkpoint import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE, pick
 
 SCHEMES = ("file://", "s3://")
 CHUNK_BYTES = 1 << 20
+# The config is read whole into memory as JSON, and PEFT's largest is a few MB (trainable token
+# indices for a whole 256k vocabulary take about 2 MB); the weights have the store's own limit.
+CONFIG_BYTES = 4 << 20
 
 
 class Source(Protocol):
@@ -45,7 +48,10 @@ class Sources:
         discard."""
         source = self._open(uri, where)
         for name in _checkpoint_files(source, where):
-            _copy(source, name, self._config.max_adapter_bytes, dest / name, where)
+            limit = self._config.max_adapter_bytes
+            _copy(
+                source, name, min(limit, CONFIG_BYTES) if name == CONFIG_FILE else limit, dest / name, where
+            )
         return source.uri
 
     def _open(self, uri: str, where: str) -> Source:
@@ -92,4 +98,4 @@ def _copy(source: Source, name: str, limit: int, target: Path, where: str) -> No
 
 
 def _too_large(where: str, name: str, size: str, limit: int) -> InvalidArgument:
-    return InvalidArgument(f"{where}: {name} is {size}, above this store's limit of {limit} bytes per file")
+    return InvalidArgument(f"{where}: {name} is {size}, above this store's limit of {limit} bytes for it")

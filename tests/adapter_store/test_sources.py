@@ -20,7 +20,7 @@ from moto.server import ThreadedMotoServer
 
 from adapter_store.__main__ import parse_config
 from adapter_store.config import StoreConfig
-from adapter_store.sources import Sources
+from adapter_store.sources import CONFIG_BYTES, Sources
 from shared.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from shared.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
 from tests.model_shapes import QWEN3_30B_A3B_CONFIG
@@ -167,6 +167,20 @@ def test_local_oversize_file_is_refused(checkpoint, tmp_path, dest):
     with pytest.raises(InvalidArgument, match=_named(WEIGHTS_FILE, f"is {size} bytes", f"{limit} bytes")):
         _fetch(f"file://{checkpoint}", _config(tmp_path, max_adapter_bytes=limit), dest)
     assert not (dest / WEIGHTS_FILE).exists()
+
+
+def test_a_config_past_its_own_bound_is_refused_unread(checkpoint, tmp_path, dest):
+    """The config is parsed whole in memory: it has a bound of its own, below the weights'."""
+    with open(checkpoint / CONFIG_FILE, "a") as f:
+        f.write(" " * CONFIG_BYTES)  # still valid JSON
+    size = (checkpoint / CONFIG_FILE).stat().st_size
+    limit = _config(tmp_path).max_adapter_bytes
+    assert limit > size
+    with pytest.raises(
+        InvalidArgument, match=_named(CONFIG_FILE, f"is {size} bytes", f"{CONFIG_BYTES} bytes")
+    ):
+        _fetch(f"file://{checkpoint}", _config(tmp_path), dest)
+    assert not (dest / CONFIG_FILE).exists()
 
 
 def test_the_default_limit_takes_any_adapter_of_max_lora_rank_on_the_base_model(tmp_path):
