@@ -5,8 +5,8 @@ a minute, holding the thread that registered the adapter, and nothing can stop r
 
 import json
 import subprocess
-import sys
 
+from shared.child_script import ScriptFailed, run_script
 from shared.errors import InvalidArgument
 
 # The patterns PEFT writes match a model's thousands of module names in milliseconds; the child
@@ -33,21 +33,12 @@ def fullmatches(patterns: set[str], names: list[str], where: str) -> dict[str, f
         return {}
     given = json.dumps({"patterns": sorted(patterns), "names": names})
     try:
-        child = subprocess.run(
-            [sys.executable, "-I", "-c", MATCH],
-            input=given,
-            capture_output=True,
-            text=True,
-            timeout=MATCH_SECONDS,
-        )
+        matches = json.loads(run_script(MATCH, given, MATCH_SECONDS))
     except subprocess.TimeoutExpired:
         raise InvalidArgument(
             f"{where}: its {len(patterns)} regexes (target_modules, rank_pattern and alpha_pattern) took "
             f"longer than {MATCH_SECONDS:g} s to match the model's {len(names)} module names"
         ) from None
-    if child.returncode != 0:
-        lines = child.stderr.strip().splitlines()
-        raise InvalidArgument(
-            f"{where}: {lines[-1] if lines else f'regex matching exited {child.returncode}'}"
-        )
-    return {pattern: frozenset(matched) for pattern, matched in json.loads(child.stdout).items()}
+    except ScriptFailed as e:
+        raise InvalidArgument(f"{where}: {e}") from None
+    return {pattern: frozenset(matched) for pattern, matched in matches.items()}

@@ -12,7 +12,6 @@ import asyncio
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +27,7 @@ from llguidance.gbnf_to_lark import is_lark_syntax
 from inference_service.engine.deep_stack_threads import DeepStackThreads
 from inference_service.engine.histogram import Histogram
 from inference_service.sampling import Structured
+from shared.child_script import ScriptFailed, run_script
 from shared.errors import InvalidArgument
 
 CACHE_SIZE = 256  # compiled constraints kept
@@ -198,22 +198,13 @@ def _grammar(structured: Structured, timeout_s: float) -> str:
 def _lark_of_gbnf(gbnf: str, timeout_s: float) -> str:
     """GBNF (rules written with ::=) as Lark, read by the grammar engine in a child process."""
     try:
-        child = subprocess.run(
-            [sys.executable, "-I", "-c", GBNF_TO_LARK],
-            input=gbnf,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
+        return run_script(GBNF_TO_LARK, gbnf, timeout_s)
     except subprocess.TimeoutExpired:
         raise ValueError(
             f"its GBNF took longer than {timeout_s:g} s to read (--grammar-compile-timeout)"
         ) from None
-    if child.returncode != 0:
-        raise ValueError(
-            child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"exit {child.returncode}"
-        )
-    return child.stdout
+    except ScriptFailed as e:
+        raise ValueError(str(e)) from None
 
 
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:

@@ -58,7 +58,7 @@ def test_gbnf_is_read_outside_this_process(compiler, follows, monkeypatch):
 
 
 def test_lark_is_not_sent_to_a_child(compiler, follows, monkeypatch):
-    monkeypatch.setattr(grammars.subprocess, "run", None)  # calling it would fail
+    monkeypatch.setattr(grammars, "run_script", None)  # calling it would fail
     matcher = compiler().matcher(Structured("grammar", 'start: "yes" | "no"'))
     assert follows(matcher, "no")
 
