@@ -48,11 +48,12 @@ class Sources:
         discard."""
         source = self._open(uri, where)
         for name in _checkpoint_files(source, where):
-            limit = self._config.max_adapter_bytes
-            _copy(
-                source, name, min(limit, CONFIG_BYTES) if name == CONFIG_FILE else limit, dest / name, where
-            )
+            _copy(source, name, self._limit(name), dest / name, where)
         return source.uri
+
+    def _limit(self, name: str) -> int:
+        limit = self._config.max_adapter_bytes
+        return min(limit, CONFIG_BYTES) if name == CONFIG_FILE else limit
 
     def _open(self, uri: str, where: str) -> Source:
         if uri.startswith("file://"):

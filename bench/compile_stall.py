@@ -15,6 +15,8 @@ import statistics
 import string
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 
 from bench.cache import default_model_dir
 from inference_service.engine import Engine, EngineConfig, Request
@@ -52,33 +54,34 @@ def decode(engine: Engine) -> tuple[float, float]:
     return STREAMS * TOKENS / seconds, max(b - a for a, b in itertools.pairwise(arrivals))
 
 
+def alongside(background: Callable[[], object], timed: Callable[[], object], settle_s: float):
+    """timed()'s result, called once background() has run on another thread for settle_s."""
+    thread = threading.Thread(target=background)
+    thread.start()
+    time.sleep(settle_s)
+    result = timed()
+    thread.join()
+    return result
+
+
+def seconds_of(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
 def beside_a_compile(engine: Engine, grammar: str) -> tuple[float, float, float]:
     """decode() while `grammar` compiles on another thread, and the compile's seconds."""
     compiled: list[float] = []
-
-    def compile_it() -> None:
-        start = time.perf_counter()
-        engine.grammars.matcher(Structured("grammar", grammar))
-        compiled.append(time.perf_counter() - start)
-
-    thread = threading.Thread(target=compile_it)
-    thread.start()
-    time.sleep(0.05)  # the compile under way
-    rate, longest = decode(engine)
-    thread.join()
+    compile_it = partial(engine.grammars.matcher, Structured("grammar", grammar))
+    rate, longest = alongside(lambda: compiled.append(seconds_of(compile_it)), partial(decode, engine), 0.05)
     return rate, longest, compiled[0]
 
 
 def small_beside_decoding(engine: Engine, grammar: str) -> float:
     """Seconds `grammar` takes to compile while decode() runs on another thread."""
-    thread = threading.Thread(target=decode, args=(engine,))
-    thread.start()
-    time.sleep(0.3)  # the streams decoding
-    start = time.perf_counter()
-    engine.grammars.matcher(Structured("grammar", grammar))
-    seconds = time.perf_counter() - start
-    thread.join()
-    return seconds
+    compile_it = partial(engine.grammars.matcher, Structured("grammar", grammar))
+    return alongside(partial(decode, engine), partial(seconds_of, compile_it), 0.3)
 
 
 def main() -> None:
