@@ -6,6 +6,7 @@ import reprlib
 from dataclasses import dataclass
 
 from shared.errors import InvalidArgument
+from shared.structured_limit import MAX_STRUCTURED_CHARS
 
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy: dividing by them can overflow the logits to inf (as vLLM does).
@@ -21,7 +22,6 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 # A constraint is compiled when its request is submitted: its text and its choices are bounded.
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_STRUCTURED_CHARS = 64 << 10
 MAX_CHOICES = 256
 
 

@@ -10,9 +10,19 @@ template that teaches Hermes' format is a grammar: any text, in which each <tool
 model opens must be a call of one of the tools with arguments of its schema, as the template
 writes one (none or one block when parallel_tool_calls is false). The text is left free until the
 model writes the block's opening tag (llguidance's lazy lexemes); then the block is held whole.
+
+A constraint's text is bounded (MAX_STRUCTURED_CHARS). The tools' schemas go in without their
+annotations; where they still do not fit, the schemas of tools not marked `strict` are left out,
+the largest first, until they do: such a tool's calls are held to arguments that are a JSON object
+(OpenAI holds calls to the schema only under `strict`). Strict tools whose schemas do not fit
+together are a 400.
 """
 
 import json
+import logging
+from collections.abc import Callable
+
+from shared.structured_limit import MAX_STRUCTURED_CHARS
 
 from .errors import ApiError
 from .protocol import (
@@ -25,6 +35,9 @@ from .protocol import (
 )
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+ANY_ARGUMENTS = {"type": "object"}  # a tool's schema left out to fit: its arguments, any JSON object
+
+log = logging.getLogger(__name__)
 
 
 def constraint(body: Sampling, tool_format: str = "") -> dict:
@@ -67,18 +80,26 @@ def of_structured_outputs(structured: StructuredOutputs) -> dict:
 
 
 def of_named_tool(tool: Tool) -> dict:
-    return {"json_schema": _arguments(tool)}
+    return _fitted([tool], lambda arguments: {"json_schema": arguments[0]})
 
 
 def of_required_tools(tools: list[Tool], parallel: bool) -> dict:
-    calls = [_call(tool) for tool in tools]
+    return _fitted(tools, lambda arguments: _required_calls(tools, arguments, parallel))
+
+
+def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
+    return _fitted(tools, lambda arguments: _auto_grammar(tools, arguments, parallel))
+
+
+def _required_calls(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
+    calls = [_call(tool, schema) for tool, schema in zip(tools, arguments, strict=True)]
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
     return {"json_schema": schema}
 
 
-def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
+def _auto_grammar(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
     """Hermes' blocks, <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, among free text."""
     functions = " | ".join(f"function_{i}" for i in range(len(tools)))
     lines = [
@@ -89,15 +110,58 @@ def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
         'opening[lazy]: TEXT "<tool_call>"',
         rf'call: opening "\n{{\"name\": " ({functions}) "}}\n</tool_call>"',
     ]
-    for i, tool in enumerate(tools):
+    for i, (tool, schema) in enumerate(zip(tools, arguments, strict=True)):
         head = json.dumps(f"{json.dumps(tool.function.name)}, " + '"arguments": ')
-        schema = json.dumps(_compact(_arguments(tool)), separators=(",", ":"))
-        lines.append(f"function_{i}: {head} %json {schema}")
+        lines.append(f"function_{i}: {head} %json {_json(_compact(schema))}")
     return {"grammar": "\n".join(lines) + "\n"}
 
 
+def _fitted(tools: list[Tool], build: Callable[[list[dict]], dict]) -> dict:
+    """build(the tools' argument schemas), the constraint they make; where its text is past the
+    bound, with the schemas of tools not marked strict left out, the largest first, until it fits.
+    Each schema is written once in the text, so leaving one out shortens it by about the schemas'
+    difference: the constraint is built again only once that says it fits."""
+    arguments = [_arguments(tool) for tool in tools]
+    fitted = build(arguments)
+    loose = [i for i, tool in enumerate(tools) if not tool.function.strict]
+    loose.sort(key=lambda i: len(_json(arguments[i])), reverse=True)
+    left_out = []
+    while (excess := _length(fitted) - MAX_STRUCTURED_CHARS) > 0 and loose:
+        while excess > 0 and loose:
+            i = loose.pop(0)
+            excess -= len(_json(arguments[i])) - len(_json(ANY_ARGUMENTS))
+            arguments[i] = ANY_ARGUMENTS
+            left_out.append(tools[i].function.name)
+        fitted = build(arguments)
+    if excess > 0:
+        raise ApiError(
+            400,
+            f"The strict tools' parameter schemas do not fit in one constraint: with the other tools' "
+            f"arguments held only to a JSON object, it takes {_length(fitted)} characters, past the "
+            f"{MAX_STRUCTURED_CHARS} a constraint may hold. Mark fewer tools strict, or shorten their "
+            "schemas.",
+            "tools",
+        )
+    if left_out:
+        log.warning(
+            "%d tools' schemas left out of the calls' constraint to fit it: %s", len(left_out), left_out
+        )
+    return fitted
+
+
+def _length(sent: dict) -> int:
+    """The characters of a constraint's text, as the worker counts them (the SDK writes a schema
+    compact)."""
+    [value] = sent.values()
+    return len(value) if isinstance(value, str) else len(_json(value))
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 # Keywords that say what a value means and constrain nothing: left out of the schemas the tools'
-# constraints carry (auto's grammar holds every tool's), which count toward a constraint's 64 KiB.
+# constraints carry (auto's grammar holds every tool's), which count toward MAX_STRUCTURED_CHARS.
 ANNOTATIONS = {
     "title",
     "description",
@@ -149,10 +213,10 @@ def _compact(schema: dict) -> dict:
     return {**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_flexible": False}}
 
 
-def _call(tool: Tool) -> dict:
+def _call(tool: Tool, arguments: dict) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": _arguments(tool)},
+        "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

@@ -237,7 +237,7 @@ class FunctionDef(Closed):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None  # calls follow the whole schema, strict or not (constraints.py)
+    strict: bool | None = None  # kept whole where the tools' schemas do not all fit (constraints.py)
 
 
 class Tool(Closed):

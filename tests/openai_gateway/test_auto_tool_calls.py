@@ -15,6 +15,7 @@ from openai import OpenAI
 
 from tests.e2e.conftest import WorkerProcess
 
+from . import test_fitted_tools as fitted_tools
 from .conftest import API_KEY, GatewayProcess
 
 TEMPLATE = Path(__file__).parents[1] / "hermes_chat_template.jinja"
@@ -112,3 +113,15 @@ def test_a_schema_the_grammar_engine_cannot_hold_is_refused_under_auto(hermes_cl
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=model, messages=MESSAGES, tools=[tool], max_tokens=4)
     assert "uniqueItems" in raised.value.message
+
+
+def test_strict_tools_past_a_constraints_bound_are_refused(hermes_client):
+    """128 strict tools of 10 required arguments: their schemas do not fit one constraint, and
+    none may be left out (test_fitted_tools.py). Tools that do fit once the others' schemas are
+    left out make a prompt of 25,000 tokens, past this model's context: the grammar they make is
+    compiled by the worker's own engine there."""
+    client, model = hermes_client
+    tools = fitted_tools.tools(strict=range(128))
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, max_tokens=4)
+    assert "strict tools" in raised.value.message and raised.value.body["param"] == "tools"
