@@ -23,7 +23,8 @@ one request alone at a time, `generate` with max_tokens 1 (its wall time holds t
 builds the grammar engine's tokenizer and its token trie); SCHEMA again (cached); a schema new to
 the engine (SCHEMA with other integer bounds: a compile alone). Medians over the rounds.
 
-Masking: `mask_rows` over logits [32, vocab] with 16 matchers, replayed through round 0's
+Masking: `mask_rows` over logits [32, vocab] with 16 matchers, and the engine's CPU kernel where it
+has one (as its steps call it), replayed through round 0's
 constrained outputs one step at a time (each matcher where the engine's was at that step), over
 the steps in which all 16 decode, beside the grammar engine's masks alone (copies of the same
 matchers); medians of the steps, then of `repeats` replays, against the unconstrained arm's median
@@ -256,7 +257,7 @@ def replay_masks(e: Engine, outputs: list[list[int]], schema: Structured) -> tup
     masked, grammar = [], []
     for step in range(min(len(t) for t in outputs)):
         start = time.perf_counter()
-        mask_rows(logits, rows)
+        mask_rows(logits, rows, e.runner.cpu_kernels.token_mask)
         masked.append(time.perf_counter() - start)
         start = time.perf_counter()
         for m in alone:

@@ -11,6 +11,7 @@ from kernels.cpu_prefill_attention import CpuPrefillAttention
 from kernels.cpu_rms_norm import CpuRmsNorm
 from kernels.cpu_rope import CpuRope
 from kernels.cpu_swiglu import CpuSwiglu
+from kernels.cpu_token_mask import CpuTokenMask
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class CpuKernels:
     """Each kernel, or None where it could not be built: then its torch path runs (decodes and
     prefill chunks gather their blocks for SDPA; LoRA gathers pages for batched matmuls; rotary
     embeddings, RMSNorm and SwiGLU take torch's elementwise ops; linear layers take oneDNN's
-    matmuls).
+    matmuls; grammars' token masks are unpacked and filled by torch ops).
     `linear` is bound into the weights when the model packs them, not chosen step by step."""
 
     decode_attention: CpuDecodeAttention | None = None
@@ -28,6 +29,7 @@ class CpuKernels:
     rms_norm: CpuRmsNorm | None = None
     swiglu: CpuSwiglu | None = None
     linear: CpuLinear | None = None
+    token_mask: CpuTokenMask | None = None
 
     @classmethod
     def load(cls, directory: Path | None = None, target: str = NATIVE) -> "tuple[CpuKernels, str]":
@@ -49,4 +51,5 @@ TORCH_PATHS = {
     "rms_norm": (CpuRmsNorm, "torch ops"),
     "swiglu": (CpuSwiglu, "torch ops"),
     "linear": (CpuLinear, "oneDNN's matmuls, in blocks of inputs for fp32"),
+    "token_mask": (CpuTokenMask, "torch ops"),
 }

@@ -27,6 +27,7 @@ from llguidance.gbnf_to_lark import is_lark_syntax
 from inference_service.engine.deep_stack_threads import DeepStackThreads
 from inference_service.engine.histogram import Histogram
 from inference_service.sampling import Structured
+from kernels.cpu_token_mask import CpuTokenMask
 from shared.child_script import ScriptFailed, run_script
 from shared.errors import InvalidArgument
 
@@ -207,20 +208,30 @@ def _lark_of_gbnf(gbnf: str, timeout_s: float) -> str:
         raise ValueError(str(e)) from None
 
 
-def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
+def mask_rows(logits: torch.Tensor, matchers: list, kernel: CpuTokenMask | None = None) -> torch.Tensor:
     """logits [rows, vocab], the step's own, with every token row i's matcher forbids set to -inf
     in place (matchers[i] None: row i is left as it is), and returned. The matchers write their
-    bitmasks (bit k of word w: token 32 w + k may come) straight into a tensor; llguidance's own
-    torch helpers are not used, as they torch.compile at import and at their first call."""
+    bitmasks (bit k of word w: token 32 w + k may come) straight into a tensor, which `kernel`
+    (the CPU's, where built) applies in place, or torch ops; llguidance's own torch helpers are
+    not used, as they torch.compile at import and at their first call."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
-    vocab = logits.shape[1]
-    words = -(-vocab // 32)
+    words = -(-logits.shape[1] // 32)
     bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # [c, words]
     for j, i in enumerate(rows):
         matchers[i].unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
-    bitmask = bitmask.to(logits.device)  # unpacked there: a 32nd of the bytes of the bool mask
+    if kernel is not None and logits.is_cpu:
+        kernel(logits, bitmask, torch.tensor(rows))
+        return logits
+    return masked_by_torch(logits, bitmask, rows)
+
+
+def masked_by_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """mask_rows' fill by torch ops, on any device: bitmask [c, words] unpacked on the logits'
+    device (a 32nd of the bytes of the bool mask to move) into [c, vocab] bools."""
+    vocab = logits.shape[1]
+    bitmask = bitmask.to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [c, vocab]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -29,6 +29,7 @@ from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.vocab_batch import VocabPages
 from inference_service.model.weights import load_weights
 from kernels.cpu_kernels import CpuKernels
+from kernels.cpu_token_mask import CpuTokenMask
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import ModelConfig
 from shared.nonfinite import finite_rows
@@ -227,7 +228,7 @@ class ModelRunner:
         rows = [i for i, c in enumerate(chunks) if finite[i] and c.samples]
         sampled = [chunks[i].seq for i in rows]
         drawn = logits if len(rows) == len(chunks) else logits[rows]  # [rows, vocab]; decode: no copy
-        result = _sample(sampled, drawn) if rows else SampleResult([], [])
+        result = _sample(sampled, drawn, self.cpu_kernels.token_mask) if rows else SampleResult([], [])
         computed = [c for c, ok in zip(chunks, finite, strict=True) if ok]
         return StepOutput(computed, sampled, result, non_finite)
 
@@ -313,11 +314,12 @@ def _input(chunk: ScheduledChunk) -> SequenceInput:
     return SequenceInput(tokens, seq.num_computed, seq.block_table, seq.slot)
 
 
-def _sample(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
-    """One token per sequence from its row of `logits` [seqs, vocab]."""
+def _sample(seqs: list[Sequence], logits: torch.Tensor, mask_kernel: CpuTokenMask | None) -> SampleResult:
+    """One token per sequence from its row of `logits` [seqs, vocab]; constrained rows masked by
+    `mask_kernel` where there is one (mask_rows)."""
     # Only penalized rows read their history; building it costs O(length) per row.
     histories = [s.token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
     batch = SamplingBatch.build(
         [s.params for s in seqs], [s.generator for s in seqs], histories, logits.device
     )
-    return sample(mask_rows(logits, [s.matcher for s in seqs]), batch)
+    return sample(mask_rows(logits, [s.matcher for s in seqs], mask_kernel), batch)
