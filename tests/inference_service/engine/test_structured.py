@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import time
+from unittest import mock
 
 import jsonschema
 import llguidance
@@ -22,6 +23,7 @@ import torch
 from inference_service.engine import Engine, EngineConfig, Request, model_runner
 from inference_service.engine.grammars import Grammars
 from inference_service.sampling import SamplingParams, Structured
+from kernels.cpu_token_mask import CpuTokenMask
 from shared.errors import InvalidArgument
 
 PERSON = {
@@ -74,7 +76,8 @@ def _json(engine, out) -> object:
 
 def test_greedy_output_equals_the_logits_masked_by_hand(engine, tiny_chat_model):
     """The reference: transformers' fp32 forward of the whole sequence each step, its last logits
-    masked by an llguidance matcher of the same schema, argmax, the matcher fed the token. (The
+    masked by an llguidance matcher of the same schema, argmax, the matcher fed the token; the
+    engine masks through its CPU kernel (kernels/cpu_token_mask.py), once a token. (The
     mask goes through llguidance's numpy helpers: its torch ones are torch.compile'd, and where
     inductor vectorizes for AVX2 they left 497 of 1,000 logits finite where one token was
     allowed.)"""
@@ -83,7 +86,12 @@ def test_greedy_output_equals_the_logits_masked_by_hand(engine, tiny_chat_model)
     structured = Structured("json_schema", json.dumps(SMALL))
     params = SamplingParams(max_tokens=40, temperature=0, structured=structured)
     prompt = _prompt(engine)
-    (ours,) = engine.generate([Request(prompt, params=params)])
+    assert engine.runner.cpu_kernels.token_mask is not None  # a CPU worker's masks: its kernel's
+    with mock.patch.object(
+        CpuTokenMask, "__call__", autospec=True, side_effect=CpuTokenMask.__call__
+    ) as fill:
+        (ours,) = engine.generate([Request(prompt, params=params)])
+    assert fill.call_count == len(ours.token_ids)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
     vocab = model.config.vocab_size

@@ -151,8 +151,8 @@ def test_mixed_batch_matches_peft_for_prefill_and_decode(model_type, path, tiny_
     kernels = path == "triton"
     with counted_calls(ENTRY_POINTS) as calls:
         assert_decode_agrees(runner, slots, reference, ROWS, DECODE_STEPS, seed=1, kernels=kernels)
-    if path in ("compiled", "baseline"):  # each kernel ran, not only loaded: none is left out
-        assert {name for name, n in calls.items() if n} == built, calls
+    if path in ("compiled", "baseline"):  # each model kernel ran, not only loaded: none is left out
+        assert {name for name, n in calls.items() if n} == built - {"token_mask"}, calls  # no grammar here
     elif path == "torch":
         assert not any(calls.values()), calls
 
