@@ -1,6 +1,7 @@
 """Grammars: turns a request's output constraint (sampling.Structured) into a matcher of the grammar
 engine (llguidance), which says at each step which tokens may come next and follows the tokens
-drawn. A constraint is compiled once per engine, on a compile thread of its own: its grammar text
+drawn. A constraint is compiled once per engine, on a compile thread (GBNF on threads of its own,
+as its reads wait on a child process): its grammar text
 validated against the model's tokenizer, a matcher built and its first mask computed (which builds
 the lexer states), and kept in a bounded cache keyed by the constraint; each request gets a copy of
 that matcher. A caller waits at most `timeout_s` for a compile (the compile itself goes on and is
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import llguidance
 import torch
-from llguidance.gbnf_to_lark import is_lark_syntax
 
 from inference_service.engine.deep_stack_threads import DeepStackThreads
 from inference_service.engine.histogram import Histogram
@@ -33,6 +33,9 @@ from shared.errors import InvalidArgument
 
 CACHE_SIZE = 256  # compiled constraints kept
 COMPILE_THREADS = 2  # the grammar engine drops the GIL while it compiles: steps go on beside it
+# GBNF compiles on threads of their own: each waits on its reader's child (below) up to the compile
+# timeout, and two slow reads on the compile threads held up every other constraint's compile.
+GBNF_THREADS = 2
 # The grammar engine compiles by recursion as deep as a constraint's rules chain or its schema's
 # definitions nest, and overflowing a stack kills the process. Within MAX_STRUCTURED_CHARS the
 # deepest measured (a Lark chain of 5,572 alternations) needed 16 to 20 MiB; threads get 8.
@@ -44,6 +47,11 @@ COMPILE_STACK_BYTES = 64 << 20
 # process, 0.23 in a child at full priority and 0.66 to 0.68 so; a small grammar read beside them
 # takes 0.07 s (at the lowest priority throughout, 4 s).
 GBNF_CPU_AT_FULL_PRIORITY_S = 0.5
+# A grammar is Lark where a line opens with `%llguidance` or `start:`, as the grammar engine tells
+# (gbnf_to_lark.is_lark_syntax). Its regex opens a line with `^\s*`, which backtracks over every
+# run of blank lines below it: 18 s holding the GIL for 64 KiB of newlines. The same test with a
+# line's leading space kept within the line (a match past blank lines starts at the last of them).
+LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(%llguidance\b|start\s*:)")
 GBNF_TO_LARK = f"""
 import os, signal, sys
 signal.signal(signal.SIGVTALRM, lambda *_: os.nice(19))
@@ -79,6 +87,7 @@ class Grammars:
         self._compiled: OrderedDict[Structured, Future] = OrderedDict()  # of the matcher to copy
         self._lock = threading.Lock()  # the cache and the counters
         self._pool = DeepStackThreads(COMPILE_THREADS, COMPILE_STACK_BYTES, "grammar")
+        self._gbnf_pool = DeepStackThreads(GBNF_THREADS, COMPILE_STACK_BYTES, "gbnf")
         self.requests = self.compiles = self.hits = 0
         self.compile_seconds = Histogram(COMPILE_SECONDS_BUCKETS)
 
@@ -105,7 +114,8 @@ class Grammars:
             self.requests += 1
             compiled = self._compiled.get(structured)
             if compiled is None:
-                compiled = self._pool.submit(self._compile, structured)
+                gbnf = structured.kind == "grammar" and not is_lark(structured.spec)
+                compiled = (self._gbnf_pool if gbnf else self._pool).submit(self._compile, structured)
                 self._compiled[structured] = compiled
                 while len(self._compiled) > CACHE_SIZE:
                     self._compiled.popitem(last=False)
@@ -134,6 +144,7 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown()
+        self._gbnf_pool.shutdown()
 
     @property
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -191,9 +202,12 @@ def _grammar(structured: Structured, timeout_s: float) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in structured.choices))
-    return llguidance.LLMatcher.grammar_from_lark(
-        spec if is_lark_syntax(spec) else _lark_of_gbnf(spec, timeout_s)
-    )
+    return llguidance.LLMatcher.grammar_from_lark(spec if is_lark(spec) else _lark_of_gbnf(spec, timeout_s))
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar constraint is Lark (else GBNF)."""
+    return LARK_SYNTAX.search(grammar) is not None
 
 
 def _lark_of_gbnf(gbnf: str, timeout_s: float) -> str:

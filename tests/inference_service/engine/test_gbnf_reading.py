@@ -7,11 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import llguidance.gbnf_to_lark
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from inference_service.engine import grammars
@@ -107,3 +110,54 @@ def test_a_long_read_drops_to_the_lowest_priority_after_its_share():
     finally:
         child.kill()
         child.wait()
+
+
+def test_slow_reads_hold_up_no_other_constraint(compiler, follows):
+    """Two GBNF reads that each run to the timeout: a Lark grammar and a schema asked for after
+    them compile while both still wait on their children (before the fix they waited behind them
+    on the two compile threads, and ran out of time)."""
+    grammars = compiler(timeout_s=3)
+    grammars.prepare()  # the tokenizer's first build, which every compile waits on, done here
+    texts = [chain(rules) for rules in (3800, 3801)]  # each seconds to read, within the bound
+    refusals = []
+
+    def read(text: str) -> None:
+        try:
+            grammars.matcher(Structured("grammar", text))
+        except InvalidArgument as e:
+            refusals.append(str(e))
+
+    readers = [threading.Thread(target=read, args=(text,)) for text in texts]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 30
+    while grammars.stats().requests < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert follows(grammars.matcher(Structured("grammar", 'start: "yes" | "no"')), "no")
+    assert follows(grammars.matcher(Structured("json_schema", '{"type": "boolean"}')), "true")
+    assert all(reader.is_alive() for reader in readers)
+    for reader in readers:
+        reader.join()
+    assert len(refusals) == 2 and all("--grammar-compile-timeout" in r for r in refusals), refusals
+    grammars.close()
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            ["\n", " ", "\t", "\r", "\x0b", "\u2028", "start", ":", "%llguidance", "a", "_", "::="]
+        )
+    )
+)
+def test_lark_is_told_from_gbnf_as_the_grammar_engine_tells_it(pieces):
+    text = "".join(pieces)
+    assert grammars.is_lark(text) == llguidance.gbnf_to_lark.is_lark_syntax(text)
+
+
+def test_a_grammar_of_blank_lines_is_read_not_timed_out(compiler):
+    """64 KiB of newlines: the grammar engine's own Lark test backtracks over them for seconds
+    (18 s on the machine this was written on), holding the GIL; ours is linear, and the text goes
+    to the GBNF reader, which refuses it by name within the timeout."""
+    with pytest.raises(InvalidArgument, match="No 'root' rule found"):
+        compiler(timeout_s=2).matcher(Structured("grammar", "\n" * MAX_STRUCTURED_CHARS))
