@@ -9,6 +9,8 @@ import logging
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from inference_service.engine.grammars import Grammars
@@ -160,3 +162,76 @@ def test_tools_that_fit_are_held_whole(caplog):
         grammar = sent(tools(count=16))["grammar"]
     assert grammar.count(compact(PARAMETERS)[:-1]) == 16
     assert not caplog.records
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 1200), st.booleans()), min_size=1, max_size=128),
+    st.sampled_from(["auto", "required"]),
+)
+def test_any_tool_list_fits_or_is_refused_for_its_strict_tools(shapes, choice):
+    """Tools of `properties` arguments each, some strict: the constraint sent fits; strict tools
+    and tools whose schemas all fit keep them whole; a 400 only where the strict tools' schemas do
+    not fit with every other tool's left out."""
+    tool_list = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{k}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {f"a{i}": {"type": "integer"} for i in range(size)},
+                },
+                "strict": strict,
+            },
+        }
+        for k, (size, strict) in enumerate(shapes)
+    ]
+    whole = [tool["function"]["parameters"] for tool in tool_list]
+    least = [p if strict else ANY_ARGUMENTS for p, (_, strict) in zip(whole, shapes, strict=True)]
+    try:
+        constraint_sent = sent(tool_list, choice)
+    except ApiError as e:
+        assert e.status == 400 and e.param == "tools"
+        assert not _fits(_with_parameters(tool_list, least), choice)  # nothing more to leave out
+        return
+    [text] = constraint_sent.values()
+    assert len(_text(text)) <= MAX_STRUCTURED_CHARS
+    kept = [held == p for held, p in zip(_schemas_sent(constraint_sent), whole, strict=True)]
+    assert all(k for k, (_, strict) in zip(kept, shapes, strict=True) if strict)
+    if _fits(_with_parameters(tool_list, whole, strict=True), choice):
+        assert all(kept)  # all fit: none left out
+
+
+def _fits(tool_list: list[dict], choice: str) -> bool:
+    try:
+        sent(tool_list, choice)
+    except ApiError:
+        return False
+    return True
+
+
+def _schemas_sent(constraint_sent: dict) -> list[dict]:
+    """Each tool's arguments schema as the constraint holds it (auto's grammar: after `%json`,
+    without the whitespace setting; required's array: each call's `arguments`)."""
+    if "grammar" in constraint_sent:
+        lines = [
+            line.split(" %json ", 1)[1]
+            for line in constraint_sent["grammar"].splitlines()
+            if " %json " in line
+        ]
+        return [{k: v for k, v in json.loads(line).items() if k != "x-guidance"} for line in lines]
+    items = constraint_sent["json_schema"]["items"]
+    return [call["properties"]["arguments"] for call in items.get("anyOf", [items])]
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else compact(value)
+
+
+def _with_parameters(tool_list: list[dict], parameters: list[dict], strict: bool = False) -> list[dict]:
+    """The tools with these parameter schemas, every one strict when `strict`, else as they were."""
+    return [
+        {**tool, "function": {**tool["function"], "parameters": p} | ({"strict": True} if strict else {})}
+        for tool, p in zip(tool_list, parameters, strict=True)
+    ]
