@@ -1,13 +1,13 @@
 """Grammars: turns a request's output constraint (sampling.Structured) into a matcher of the grammar
 engine (llguidance), which says at each step which tokens may come next and follows the tokens
 drawn. A constraint is compiled once per engine, on a compile thread (GBNF on threads of its own,
-as its reads wait on a child process): its grammar text
-validated against the model's tokenizer, a matcher built and its first mask computed (which builds
-the lexer states), and kept in a bounded cache keyed by the constraint; each request gets a copy of
-that matcher. A caller waits at most `timeout_s` for a compile (the compile itself goes on and is
-cached), and never holds a lock while it waits, so one slow constraint delays only its own
-requests; an event loop waits without holding a thread (matcher_async). Requests may be submitted
-from several threads at once; the step thread never compiles."""
+as its reads wait on a child process): its grammar text validated against the model's tokenizer,
+a matcher built and its first mask computed (which builds the lexer states), and kept in a bounded
+cache keyed by the constraint; each request gets a copy of that matcher. A caller waits at most
+`timeout_s` for a compile (the compile itself goes on and is cached), and never holds a lock while
+it waits, so one slow constraint delays only its own requests; an event loop waits without holding
+a thread (matcher_async). Requests may be submitted from several threads at once; the step thread
+never compiles."""
 
 import asyncio
 import json
