@@ -8,8 +8,10 @@ from pathlib import Path
 import grpc
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from tokenizers import Tokenizer
 
 import loramux
+from inference_service.engine.grammars import Grammars
 from shared.pb.loramux.inference.v1 import inference_pb2 as inference_pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as inference_grpc
 from tests.adapter_store.conftest import ADMIN_TOKEN, spawn
@@ -111,3 +113,20 @@ def sdk(worker, store) -> loramux.Client:  # noqa: F811
 def worker_stats(worker) -> inference_pb.Stats:
     with grpc.insecure_channel(worker.address) as channel:
         return inference_grpc.InferenceServiceStub(channel).GetStats(inference_pb.GetStatsRequest())
+
+
+@pytest.fixture(scope="module")
+def text_tokenizer(default_model_dir) -> Tokenizer:
+    """The default model's tokenizer (the tokenizers library's): the ids a text is to a matcher."""
+    return Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def grammars(default_model_dir, text_tokenizer):
+    """The worker's grammar engine on the default model's tokenizer: the constraints the gateway
+    sends, compiled as a worker compiles them."""
+    grammars = Grammars(
+        default_model_dir / "tokenizer.json", text_tokenizer.get_vocab_size(), (2,), timeout_s=60
+    )
+    yield grammars
+    grammars.close()

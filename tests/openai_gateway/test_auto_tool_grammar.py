@@ -34,27 +34,15 @@ def request(parallel: bool = True, **more) -> ChatCompletionRequest:
     )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def grammars(default_model_dir, tokenizer):
-    grammars = Grammars(default_model_dir / "tokenizer.json", tokenizer.get_vocab_size(), (2,), timeout_s=60)
-    yield grammars
-    grammars.close()
-
-
 def matcher(grammars: Grammars, parallel: bool):
     sent = constraint(request(parallel), tool_format="hermes")
     return grammars.matcher(Structured("grammar", sent["grammar"]))
 
 
-def takes(grammars: Grammars, tokenizer: Tokenizer, parallel: bool, text: str) -> bool:
+def takes(grammars: Grammars, text_tokenizer: Tokenizer, parallel: bool, text: str) -> bool:
     """Whether the grammar takes the whole of `text` and may end there."""
     m = matcher(grammars, parallel)
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    ids = text_tokenizer.encode(text, add_special_tokens=False).ids
     return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
 
 
@@ -75,26 +63,28 @@ def takes(grammars: Grammars, tokenizer: Tokenizer, parallel: bool, text: str) -
     ],
 )
 def test_the_grammar_takes_free_text_and_calls_of_the_tools_only(
-    grammars, tokenizer, parallel, text, taken_when_parallel, taken_alone
+    grammars, text_tokenizer, parallel, text, taken_when_parallel, taken_alone
 ):
-    assert takes(grammars, tokenizer, parallel, text) == (taken_when_parallel if parallel else taken_alone)
+    assert takes(grammars, text_tokenizer, parallel, text) == (
+        taken_when_parallel if parallel else taken_alone
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammars, tokenizer, seed):
+def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammars, text_tokenizer, seed):
     """Random logits stand for a model that knows no tool: once it opens a block, the masks leave
     it only calls of the tools with arguments of their schemas, and the gateway reads one."""
     m = matcher(grammars, parallel=True)
     text = "Sure. <tool_call>"
-    assert m.consume_tokens(tokenizer.encode(text, add_special_tokens=False).ids)
+    assert m.consume_tokens(text_tokenizer.encode(text, add_special_tokens=False).ids)
     generator = torch.Generator().manual_seed(seed)
     ids = []
-    while "</tool_call>" not in tokenizer.decode(ids) and len(ids) < 200:
-        logits = torch.randn(1, tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
+    while "</tool_call>" not in text_tokenizer.decode(ids) and len(ids) < 200:
+        logits = torch.randn(1, text_tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
         token = int(mask_rows(logits, [m]).argmax())
         assert m.consume_token(token), m.get_error()
         ids.append(token)
-    written = text + tokenizer.decode(ids)
+    written = text + text_tokenizer.decode(ids)
     parser = HermesCalls()
     parsed = parser.feed(written)
     parsed += parser.end()

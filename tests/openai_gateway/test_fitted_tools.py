@@ -4,6 +4,7 @@ tools' calls are held to arguments that are any JSON object; strict tools keep t
 tools that do not fit together are a 400 naming `tools`. Checked with the worker's own grammar
 engine (auto's grammar) and jsonschema (required's array), under every tool choice."""
 
+import functools
 import json
 import logging
 
@@ -64,21 +65,9 @@ def call(name: str, arguments: dict) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {compact(arguments)}}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def grammars(default_model_dir, tokenizer):
-    grammars = Grammars(default_model_dir / "tokenizer.json", tokenizer.get_vocab_size(), (2,), timeout_s=60)
-    yield grammars
-    grammars.close()
-
-
-def takes(grammars: Grammars, tokenizer: Tokenizer, grammar: str, text: str) -> bool:
+def takes(grammars: Grammars, text_tokenizer: Tokenizer, grammar: str, text: str) -> bool:
     m = grammars.matcher(Structured("grammar", grammar))
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    ids = text_tokenizer.encode(text, add_special_tokens=False).ids
     return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
 
 
@@ -93,7 +82,7 @@ def test_whole_tools_past_the_bound_still_need_leaving_out():
     assert f"past the {MAX_STRUCTURED_CHARS}" in raised.value.message and "strict" in raised.value.message
 
 
-def test_auto_keeps_as_many_schemas_as_fit(grammars, tokenizer, caplog):
+def test_auto_keeps_as_many_schemas_as_fit(grammars, text_tokenizer, caplog):
     """Ties are left out in the tools' order; one schema fewer left out would not fit; the calls
     of tools kept follow their schema, those of tools left out take any object, and nothing else."""
     with caplog.at_level(logging.WARNING, logger="openai_gateway.constraints"):
@@ -104,12 +93,13 @@ def test_auto_keeps_as_many_schemas_as_fit(grammars, tokenizer, caplog):
     assert left_out == 23 and f"'tool_{left_out - 1}'" in record.getMessage()  # README: 105 kept
     assert f"'tool_{left_out}'" not in record.getMessage()
     kept, loose = f"tool_{left_out}", f"tool_{left_out - 1}"
-    assert takes(grammars, tokenizer, grammar, call(kept, WHOLE))
-    assert not takes(grammars, tokenizer, grammar, call(kept, {"argument_0": "x"}))  # the others are required
-    assert takes(grammars, tokenizer, grammar, call(loose, {"argument_0": "x"}))
-    assert takes(grammars, tokenizer, grammar, call(loose, {"anything": [1, {"at": "all"}]}))
-    assert not takes(grammars, tokenizer, grammar, call(loose, [1]))  # arguments are an object
-    assert not takes(grammars, tokenizer, grammar, call("tool_128", WHOLE))  # no such tool
+    held = functools.partial(takes, grammars, text_tokenizer, grammar)
+    assert held(call(kept, WHOLE))
+    assert not held(call(kept, {"argument_0": "x"}))  # the others are required
+    assert held(call(loose, {"argument_0": "x"}))
+    assert held(call(loose, {"anything": [1, {"at": "all"}]}))
+    assert not held(call(loose, [1]))  # arguments are an object
+    assert not held(call("tool_128", WHOLE))  # no such tool
 
 
 def test_the_largest_schema_is_left_out_first(caplog):
@@ -125,12 +115,12 @@ def test_the_largest_schema_is_left_out_first(caplog):
     ]
 
 
-def test_strict_tools_keep_their_schemas(grammars, tokenizer):
+def test_strict_tools_keep_their_schemas(grammars, text_tokenizer):
     grammar = sent(tools(strict=range(10)))["grammar"]
     assert len(grammar) <= MAX_STRUCTURED_CHARS
     for k in range(10):  # would be the first left out if they were not strict
-        assert not takes(grammars, tokenizer, grammar, call(f"tool_{k}", {"argument_0": "x"}))
-    assert takes(grammars, tokenizer, grammar, call("tool_10", {"argument_0": "x"}))
+        assert not takes(grammars, text_tokenizer, grammar, call(f"tool_{k}", {"argument_0": "x"}))
+    assert takes(grammars, text_tokenizer, grammar, call("tool_10", {"argument_0": "x"}))
 
 
 def test_required_keeps_as_many_schemas_as_fit():
