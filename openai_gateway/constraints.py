@@ -10,6 +10,9 @@ template that teaches Hermes' format is a grammar: any text, in which each <tool
 model opens must be a call of one of the tools with arguments of its schema, as the template
 writes one (none or one block when parallel_tool_calls is false). The text is left free until the
 model writes the block's opening tag (llguidance's lazy lexemes); then the block is held whole.
+On a template that teaches Llama 3's JSON calls it is a grammar too: a reply that opens with `{`
+is one or more {"name", "parameters"} calls of the tools, separated by `;` (one when
+parallel_tool_calls is false), and nothing after them; any other reply is free text.
 
 A constraint's text is bounded (MAX_STRUCTURED_CHARS). The tools' schemas go in without their
 annotations; where they still do not fit, the schemas of tools not marked `strict` are left out,
@@ -54,9 +57,9 @@ def constraint(body: Sampling, tool_format: str = "") -> dict:
     if len(given) > 1:
         names = " and ".join(f"`{name}`" for name in given)
         raise ApiError(400, f"{names} each constrain the output; give one of them", next(iter(given)))
-    hermes = tool_format == "hermes"  # the one format the gateway reads calls in (tool_calls.py)
-    if not given and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and hermes:
-        return of_auto_tools(body.tools, body.parallel_tool_calls)
+    known = tool_format in AUTO_GRAMMARS  # a format the gateway reads calls in (tool_calls.py)
+    if not given and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and known:
+        return of_auto_tools(body.tools, body.parallel_tool_calls, tool_format)
     return next(iter(given.values()), {})
 
 
@@ -87,8 +90,9 @@ def of_required_tools(tools: list[Tool], parallel: bool) -> dict:
     return _fitted(tools, lambda arguments: _required_calls(tools, arguments, parallel))
 
 
-def of_auto_tools(tools: list[Tool], parallel: bool) -> dict:
-    return _fitted(tools, lambda arguments: _auto_grammar(tools, arguments, parallel))
+def of_auto_tools(tools: list[Tool], parallel: bool, tool_format: str = "hermes") -> dict:
+    grammar = AUTO_GRAMMARS[tool_format]
+    return _fitted(tools, lambda arguments: grammar(tools, arguments, parallel))
 
 
 def _required_calls(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
@@ -99,21 +103,49 @@ def _required_calls(tools: list[Tool], arguments: list[dict], parallel: bool) ->
     return {"json_schema": schema}
 
 
-def _auto_grammar(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
+def _hermes_grammar(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
     """Hermes' blocks, <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, among free text."""
-    functions = " | ".join(f"function_{i}" for i in range(len(tools)))
     lines = [
         "%llguidance {}",
         "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
         r"TEXT: /(.|\n)*/",
         r"SPACE: /\s*/",
         'opening[lazy]: TEXT "<tool_call>"',
-        rf'call: opening "\n{{\"name\": " ({functions}) "}}\n</tool_call>"',
+        rf'call: opening "\n{{\"name\": " ({_functions(tools)}) "}}\n</tool_call>"',
     ]
+    return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "arguments")) + "\n"}
+
+
+def _llama3_json_grammar(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
+    """Llama 3's calls, {"name": ..., "parameters": ...} objects separated by `;`, the whole reply,
+    or free text that does not open with `{`."""
+    lines = [
+        "%llguidance {}",
+        f"start: TEXT | SPACE {'call (SEPARATOR call)*' if parallel else 'call'}",  # then the reply ends
+        r"TEXT: /\s*([^{\s](.|\n)*)?/",
+        r"SPACE: /\s*/",
+        r"SEPARATOR: /\s*;\s*/",
+        rf'call: "{{\"name\": " ({_functions(tools)}) "}}"',
+    ]
+    return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "parameters")) + "\n"}
+
+
+def _functions(tools: list[Tool]) -> str:
+    return " | ".join(f"function_{i}" for i in range(len(tools)))
+
+
+def _function_rules(tools: list[Tool], arguments: list[dict], key: str) -> list[str]:
+    """function_i: the rest of a call of tool i after `{"name": `: its name, then `key`'s value of
+    its schema."""
+    rules = []
     for i, (tool, schema) in enumerate(zip(tools, arguments, strict=True)):
-        head = json.dumps(f"{json.dumps(tool.function.name)}, " + '"arguments": ')
-        lines.append(f"function_{i}: {head} %json {_json(_compact(schema))}")
-    return {"grammar": "\n".join(lines) + "\n"}
+        head = json.dumps(f"{json.dumps(tool.function.name)}, " + f'"{key}": ')
+        rules.append(f"function_{i}: {head} %json {_json(_compact(schema))}")
+    return rules
+
+
+# The grammar `"auto"` holds calls to, for each tool-call format a chat template may teach.
+AUTO_GRAMMARS = {"hermes": _hermes_grammar, "llama3_json": _llama3_json_grammar}
 
 
 def _fitted(tools: list[Tool], build: Callable[[list[dict]], dict]) -> dict:

@@ -1,5 +1,5 @@
-"""Tool calls read from a completion's text, whole or as it streams, in the three ways a chat
-request can ask for them:
+"""Tool calls read from a completion's text, whole or as it streams, in the ways a chat request
+can ask for them:
 
 - NamedCall: `tool_choice` names a function; the output is constrained to its arguments' JSON, so
   the whole text is the arguments, streamed as it comes.
@@ -9,6 +9,11 @@ request can ask for them:
   writes text and <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks, as Hermes,
   Qwen2.5 and Qwen3 do. Text outside the blocks is content; text that may be the start of a tag
   is held back until it is known not to be; a block whose JSON is not a call stays content.
+- JsonReplyCalls: `tool_choice: "auto"` on a chat template that teaches Llama 3's JSON format (3.1
+  to 3.3, for the tools a user gives); a reply that opens with `{` is calls, {"name": ...,
+  "parameters": {...}} objects separated by `;` (as vLLM reads them), sent once the reply is whole;
+  any other reply is content, streamed as it comes. A reply that opens with `{` but is not calls is
+  content, sent at its end.
 
 Each parser takes the text in pieces (feed) and is told when it ends (end); both return the
 content and the parts of calls to send, as OpenAI streams them: a call's first part carries its id
@@ -16,6 +21,7 @@ and name, later parts more of its arguments.
 """
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -25,6 +31,7 @@ from .errors import ApiError
 from .protocol import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+WHITESPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ def parser_for(mode: str | NamedToolChoice, template_format: str) -> Callable[[]
         return lambda: NamedCall(mode.function.name)
     if mode == "required":
         return CallList
-    if template_format != "hermes":
+    if template_format not in AUTO_PARSERS:
         raise ApiError(
             400,
             "This model's chat template teaches it no tool-call format, so calls cannot be read from "
@@ -68,7 +75,7 @@ def parser_for(mode: str | NamedToolChoice, template_format: str) -> Callable[[]
             'named function, which constrain the output to calls, or `"none"`.',
             "tool_choice",
         )
-    return HermesCalls
+    return AUTO_PARSERS[template_format]
 
 
 def call_id() -> str:
@@ -201,11 +208,63 @@ class HermesCalls(ToolCallParser):
         return Parsed(content=text)
 
 
+class JsonReplyCalls(ToolCallParser):
+    def __init__(self):
+        super().__init__()
+        self._held = ""  # the reply's opening whitespace, or a reply that opens with `{`
+        self._is_calls: bool | None = None  # known once the reply shows its first other character
+
+    def feed(self, text: str) -> Parsed:
+        if self._is_calls is False:
+            return Parsed(content=text)
+        self._held += text
+        opening = self._held.lstrip()
+        if not opening:
+            return Parsed()
+        self._is_calls = opening.startswith("{")
+        if self._is_calls:
+            return Parsed()
+        held, self._held = self._held, ""
+        return Parsed(content=held)
+
+    def end(self) -> Parsed:
+        held, self._held = self._held, ""
+        calls = _json_calls(held) if self._is_calls else None
+        if calls is None:
+            return Parsed(content=held) if held else Parsed()
+        return Parsed(calls=[self._call(*call) for call in calls])
+
+
+def _json_calls(reply: str) -> list[tuple[str, str]] | None:
+    """The calls a reply is, JSON objects separated by `;`; None where it is anything else."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, at = decoder.raw_decode(reply, WHITESPACE.match(reply, at).end())
+        except (ValueError, RecursionError):  # what a model writes may nest past Python's limit
+            return None
+        call = _call_of(value)
+        if call is None:
+            return None
+        calls.append(call)
+        at = WHITESPACE.match(reply, at).end()
+        if at == len(reply):
+            return calls
+        if reply[at] != ";":
+            return None
+        at += 1
+
+
 def _hermes_call(inner: str) -> tuple[str, str] | None:
     try:
         call = json.loads(inner)
     except (ValueError, RecursionError):  # what a model writes may nest past Python's limit
         return None
+    return _call_of(call)
+
+
+def _call_of(call: object) -> tuple[str, str] | None:
+    """(name, arguments' JSON) of a call object the model wrote; None where it is none."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -224,3 +283,8 @@ def _tag_start(text: str) -> int:
 
 def _compact(arguments: dict) -> str:
     return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+# The parser of `"auto"`'s calls for each tool-call format a chat template may teach
+# (Tokenizer.tool_call_format).
+AUTO_PARSERS = {"hermes": HermesCalls, "llama3_json": JsonReplyCalls}

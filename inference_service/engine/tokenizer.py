@@ -14,6 +14,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shared.errors import FailedPrecondition, InvalidArgument
 
+# What the Llama 3.1 to 3.3 chat templates tell the model a call of a tool the user gives is.
+LLAMA3_JSON_INSTRUCTION = '"parameters": dictionary of argument name and its value'
+
 
 class Tokenizer:
     """One model folder's tokenizer, its special tokens and its chat template."""
@@ -97,8 +100,15 @@ class Tokenizer:
     @property
     def tool_call_format(self) -> str:
         """The tool-call format the chat template teaches: "hermes" (<tool_call>{...}</tool_call>,
-        as Hermes, Qwen2.5 and Qwen3 write calls), or "" when it teaches none."""
-        return "hermes" if self._template_source and "<tool_call>" in self._template_source else ""
+        as Hermes, Qwen2.5 and Qwen3 write calls), "llama3_json" (the whole reply a JSON object
+        {"name": ..., "parameters": {...}}, as Llama 3.1 to 3.3 write calls to the tools a user
+        gives), or "" when it teaches none."""
+        source = self._template_source or ""
+        if "<tool_call>" in source:
+            return "hermes"
+        if LLAMA3_JSON_INSTRUCTION in source:
+            return "llama3_json"
+        return ""
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None

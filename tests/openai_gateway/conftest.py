@@ -130,3 +130,28 @@ def grammars(default_model_dir, text_tokenizer):
     )
     yield grammars
     grammars.close()
+
+
+def client_on_template(tmp_path_factory, chat_model: Path, store, template: Path):  # noqa: F811
+    """A worker of the chat model with `template` as its chat template and a gateway before it:
+    yields the official client and the model's name, then stops both (a module fixture yields
+    from it)."""
+    model = tmp_path_factory.mktemp(template.stem) / "llama"
+    shutil.copytree(chat_model, model)
+    (model / "chat_template.jinja").write_text(template.read_text())  # wins over tokenizer_config's
+    worker = WorkerProcess(model, store.address, tmp_path_factory.mktemp(f"{template.stem}-cache") / "cache")
+    worker.start()
+    log = tmp_path_factory.mktemp(f"{template.stem}-gateway") / "gateway.log"
+    gateway = GatewayProcess(log, "--worker", worker.address, "--store", store.address, "--api-key", API_KEY)
+    with OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        yield client, model.name
+    assert gateway.stop() == 0, log.read_text()[-3000:]
+    worker.terminate()
+    assert worker.wait() == 0
+
+
+def whole_and_streamed(client: OpenAI, **ask) -> list:
+    """The request's first choice asked for whole, then streamed (as the openai client gathers it)."""
+    whole = client.chat.completions.create(**ask).choices[0]
+    with client.chat.completions.stream(**ask) as stream:
+        return [whole, stream.get_final_completion().choices[0]]

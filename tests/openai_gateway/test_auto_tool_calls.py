@@ -5,18 +5,14 @@ to the tools' schemas (the grammar itself: test_auto_tool_grammar.py). The model
 weights, so a regex constraint makes it write a call (vLLM's `structured_outputs` beside tools)."""
 
 import json
-import shutil
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
-
-from tests.e2e.conftest import WorkerProcess
 
 from . import test_fitted_tools as fitted_tools
-from .conftest import API_KEY, GatewayProcess
+from .conftest import client_on_template, whole_and_streamed
 
 TEMPLATE = Path(__file__).parents[1] / "hermes_chat_template.jinja"
 WEATHER = {
@@ -43,17 +39,7 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 @pytest.fixture(scope="module")
 def hermes_client(tmp_path_factory, chat_model, store):
-    model = tmp_path_factory.mktemp("hermes") / "llama"
-    shutil.copytree(chat_model, model)
-    (model / "chat_template.jinja").write_text(TEMPLATE.read_text())  # wins over tokenizer_config's
-    worker = WorkerProcess(model, store.address, tmp_path_factory.mktemp("hermes-cache") / "cache").start()
-    log = tmp_path_factory.mktemp("hermes-gateway") / "gateway.log"
-    gateway = GatewayProcess(log, "--worker", worker.address, "--store", store.address, "--api-key", API_KEY)
-    with OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
-        yield client, model.name
-    assert gateway.stop() == 0, log.read_text()[-3000:]
-    worker.terminate()
-    assert worker.wait() == 0
+    yield from client_on_template(tmp_path_factory, chat_model, store, TEMPLATE)
 
 
 def test_a_hermes_block_becomes_a_tool_call_whole_and_streamed(hermes_client):
@@ -65,10 +51,7 @@ def test_a_hermes_block_becomes_a_tool_call_whole_and_streamed(hermes_client):
         max_tokens=80,
         extra_body={"structured_outputs": {"regex": CALL}},
     )
-    whole = client.chat.completions.create(**ask).choices[0]
-    with client.chat.completions.stream(**ask) as stream:
-        streamed = stream.get_final_completion().choices[0]
-    for choice in (whole, streamed):
+    for choice in whole_and_streamed(client, **ask):
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == "Sure. "
         [call] = choice.message.tool_calls

@@ -15,7 +15,7 @@ from inference_service.engine.grammars import Grammars, mask_rows
 from inference_service.sampling import Structured
 from openai_gateway.constraints import constraint
 from openai_gateway.protocol import ChatCompletionRequest
-from openai_gateway.tool_calls import HermesCalls, whole_calls
+from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, whole_calls
 
 from .test_auto_tool_calls import WEATHER
 
@@ -34,14 +34,16 @@ def request(parallel: bool = True, **more) -> ChatCompletionRequest:
     )
 
 
-def matcher(grammars: Grammars, parallel: bool):
-    sent = constraint(request(parallel), tool_format="hermes")
+def matcher(grammars: Grammars, parallel: bool, tool_format: str = "hermes"):
+    sent = constraint(request(parallel), tool_format=tool_format)
     return grammars.matcher(Structured("grammar", sent["grammar"]))
 
 
-def takes(grammars: Grammars, text_tokenizer: Tokenizer, parallel: bool, text: str) -> bool:
+def takes(
+    grammars: Grammars, text_tokenizer: Tokenizer, parallel: bool, text: str, tool_format: str = "hermes"
+) -> bool:
     """Whether the grammar takes the whole of `text` and may end there."""
-    m = matcher(grammars, parallel)
+    m = matcher(grammars, parallel, tool_format)
     ids = text_tokenizer.encode(text, add_special_tokens=False).ids
     return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
 
@@ -93,6 +95,59 @@ def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammar
     jsonschema.validate(arguments, SCHEMAS[name])
     after = written.split("</tool_call>", 1)[1]  # what the tag's last token brought past it
     assert parsed.content == "Sure. " + (after if after.strip() else "")
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city":"Paris","days":3}}'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(
+    "text, taken_when_parallel, taken_alone",
+    [
+        ("No call is needed.", True, True),
+        ("Sure. " + LLAMA_CALL, True, True),  # opens with text: all of it is content
+        ("", True, True),
+        (LLAMA_CALL, True, True),
+        ("\n" + LLAMA_CALL, True, True),
+        (LLAMA_CALL + "\n", False, False),  # the reply ends with its last call
+        ('{"name": "get_time", "parameters": {}}', True, True),
+        (LLAMA_CALL + "; " + LLAMA_CALL, True, False),  # two calls: parallel_tool_calls false takes one
+        (LLAMA_CALL + " and some text", False, False),  # a reply that opens with `{` is calls only
+        ('{"city": "Paris"}', False, False),
+        (LLAMA_CALL.replace('"days":3', '"days":9'), False, False),  # past the schema's maximum
+        (LLAMA_CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
+        (LLAMA_CALL.replace('"parameters"', '"arguments"'), False, False),  # Llama's key is parameters
+    ],
+)
+def test_llamas_grammar_takes_text_or_calls_of_the_tools_only(
+    grammars, text_tokenizer, parallel, text, taken_when_parallel, taken_alone
+):
+    taken = takes(grammars, text_tokenizer, parallel, text, "llama3_json")
+    assert taken == (taken_when_parallel if parallel else taken_alone)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decoding_under_llamas_masks_writes_valid_calls_once_a_reply_opens_with_a_brace(
+    grammars, text_tokenizer, seed
+):
+    """Random logits after `{`: the masks leave only a call of one of the tools with arguments of
+    its schema, then the reply's end, and the gateway reads it."""
+    m = matcher(grammars, parallel=False, tool_format="llama3_json")
+    assert m.consume_tokens(text_tokenizer.encode("{", add_special_tokens=False).ids)
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    while not m.is_stopped() and len(ids) < 300:
+        logits = torch.randn(1, text_tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
+        token = int(mask_rows(logits, [m]).argmax())
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+    reply = "{" + text_tokenizer.decode([i for i in ids if i != 2])  # EOS (id 2) ends the reply
+    parser = JsonReplyCalls()
+    parsed = parser.feed(reply)
+    parsed += parser.end()
+    assert m.is_stopped() and parsed.content == ""
+    [call] = whole_calls(parsed.calls)
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
 
 
 def test_another_constraint_given_with_auto_is_the_one_held():

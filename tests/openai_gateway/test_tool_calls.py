@@ -1,6 +1,7 @@
 """Tool calls read from completion text (openai_gateway/tool_calls.py): whatever pieces a stream
 brings the text in, the calls and content sent add up to what the whole text gives; Hermes blocks
-become calls, text around them content, and what is not a call stays text."""
+become calls, text around them content, and what is not a call stays text; a Llama 3 reply that
+is JSON calls becomes calls, any other reply content."""
 
 import itertools
 import json
@@ -11,7 +12,15 @@ from hypothesis import strategies as st
 
 from openai_gateway.errors import ApiError
 from openai_gateway.protocol import FunctionName, NamedToolChoice
-from openai_gateway.tool_calls import CallList, HermesCalls, NamedCall, Parsed, parser_for, whole_calls
+from openai_gateway.tool_calls import (
+    CallList,
+    HermesCalls,
+    JsonReplyCalls,
+    NamedCall,
+    Parsed,
+    parser_for,
+    whole_calls,
+)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 HERMES = {
@@ -25,6 +34,25 @@ HERMES = {
     "unclosed bad": "so <tool_call>{half",
     "partial tag at end": "ends with <tool_",
     "nested past the recursion limit": "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",
+}
+
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+NESTED = '{"name": "f", "parameters": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"
+# A reply, the content it gives, and the calls (name, arguments).
+LLAMA_REPLIES = {
+    "one call": (LLAMA, "", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    "two calls, space around": (
+        f' \n{LLAMA}; {{"name": "time", "parameters": {{"tz": "; }}"}}}}\n',
+        "",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("time", {"tz": "; }"})],
+    ),
+    "arguments, as some models write": ('{"name": "time", "arguments": {}}', "", [("time", {})]),
+    "text": (" Paris is {sunny}.", " Paris is {sunny}.", []),
+    "a JSON object not a call": ('{"city": "Paris"}', '{"city": "Paris"}', []),
+    "a call, then text": (f"{LLAMA} is the call", f"{LLAMA} is the call", []),
+    "calls, one unclosed": (f"{LLAMA}; {LLAMA[:-1]}", f"{LLAMA}; {LLAMA[:-1]}", []),
+    "only space": ("  \n", "  \n", []),
+    "nested past the recursion limit": (NESTED, NESTED, []),
 }
 
 
@@ -114,11 +142,30 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     assert _calls(first + second) == [("get_weather", {"city": "Rome"})]
 
 
+@pytest.mark.parametrize("case", list(LLAMA_REPLIES))
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_a_llama_reply_is_calls_or_content_in_any_pieces(case, cuts):
+    reply, content, calls = LLAMA_REPLIES[case]
+    whole = _whole(JsonReplyCalls(), reply)
+    assert (whole.content, _calls(whole)) == (content, calls)
+    streamed = _streamed(JsonReplyCalls(), reply, [c % (len(reply) + 1) for c in cuts])
+    assert (streamed.content, _calls(streamed)) == (content, calls)
+
+
+def test_a_llama_reply_of_text_streams_as_it_comes():
+    parser = JsonReplyCalls()
+    assert parser.feed("\n ") == Parsed()  # it may yet open with `{`
+    assert parser.feed("Sunny") == Parsed(content="\n Sunny")
+    assert parser.feed(" {and} warm") == Parsed(content=" {and} warm")
+    assert parser.end() == Parsed()
+
+
 def test_auto_needs_a_template_that_teaches_a_format_and_the_others_do_not():
     with pytest.raises(ApiError, match="teaches it no tool-call format") as raised:
         parser_for("auto", "")
     assert raised.value.param == "tool_choice"
     assert parser_for("auto", "hermes") is HermesCalls
+    assert parser_for("auto", "llama3_json") is JsonReplyCalls
     assert parser_for("required", "") is CallList
     assert parser_for("none", "hermes") is None
     named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "")
