@@ -1,7 +1,8 @@
-"""Generated bodies at both completion endpoints: wrong types, values out of range, unknown keys and
-bytes that are no JSON at all. Whatever the body, the answer is never a 5xx and every refusal is in
-OpenAI's error shape. The app runs in this process (a round trip per example stays cheap) against a
-real worker whose short context keeps every generation that does start short."""
+"""Generated bodies at both completion endpoints: wrong types, values out of range, unknown keys,
+tools and response formats of random schemas, and bytes that are no JSON at all. Whatever the
+body, the answer is never a 5xx and every refusal is in OpenAI's error shape. The app runs in this
+process (a round trip per example stays cheap) against a real worker whose short context keeps
+every generation that does start short."""
 
 import json
 
@@ -37,6 +38,35 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": TEXT | st.lists(PART)}
 )
 NOT_A_MESSAGE = st.dictionaries(st.sampled_from(["role", "content", "name", "type"]), ANY | TEXT, max_size=3)
+# JSON schemas a client may send: nested objects, arrays and alternatives, or any JSON at all.
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])}),
+    lambda inner: (
+        st.fixed_dictionaries(
+            {
+                "type": st.just("object"),
+                "properties": st.dictionaries(st.text(max_size=5), inner, max_size=3),
+            },
+            optional={
+                "required": st.lists(st.text(max_size=5), max_size=2),
+                "additionalProperties": st.booleans(),
+            },
+        )
+        | st.fixed_dictionaries({"type": st.just("array"), "items": inner})
+        | st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=1, max_size=2)})
+    ),
+    max_leaves=6,
+)
+TOOLS = st.lists(st.tuples(SCHEMA | JSON, st.booleans() | st.none()), max_size=4).map(
+    lambda tools: [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": schema, "strict": strict}}
+        for i, (schema, strict) in enumerate(tools)
+    ]
+)
+TOOL_CHOICE = st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f0"}}])
+RESPONSE_FORMAT = st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | SCHEMA.map(
+    lambda schema: {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+)
 
 # field: (a valid value, so later checks and generation run too; anything a client could send)
 SHARED = {
@@ -75,6 +105,10 @@ FIELDS = {
         "messages": (st.lists(MESSAGE, min_size=1, max_size=3), ANY | st.lists(NOT_A_MESSAGE, max_size=2)),
         "logprobs": (st.booleans(), ANY),
         "top_logprobs": (st.none(), ANY),
+        "tools": (TOOLS, ANY | st.lists(ANY, max_size=2)),
+        "tool_choice": (TOOL_CHOICE, ANY),
+        "parallel_tool_calls": (st.booleans(), ANY),
+        "response_format": (RESPONSE_FORMAT, ANY),
     },
 }
 REQUIRED = {"model", "max_tokens", "prompt", "messages"}  # max_tokens: unset would run to the context
