@@ -7,6 +7,10 @@ flags, and written atomically under a per-user folder of the system's temporary 
 that start at once share one build. Where there is no compiler, the folder cannot be written or
 the library cannot be loaded, the caller is told why and keeps its torch path.
 
+A build is marked used each time it loads; the builds of the same source that none has loaded for
+STALE_AFTER_S (earlier versions', other CPUs' or targets' no process here runs) are removed then,
+so the folder does not grow with every upgrade.
+
 Workers build for the CPU they run on (`-march=native`). Tests also build for a baseline target
 (BASELINE: AVX2 and FMA, no AVX-512) where this CPU runs it, so that the paths an AVX2-only CPU
 takes are checked on an AVX-512 machine too.
@@ -28,6 +32,8 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE = "native"  # the -march of a worker's build: this CPU
 BASELINE = "x86-64-v3"  # AVX2, FMA, F16C: the kernels' fallback paths, without AVX-512
 
+
+STALE_AFTER_S = 30 * 24 * 3600  # a build no process has loaded for this long is removed
 
 # the suffix each source's exported functions take for a dtype
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -92,9 +98,25 @@ def load_cpu_library(
         error = "" if library.exists() else _build(compiler, flags, source, library)
         if error:
             return None, error
-        return ctypes.CDLL(str(library)), f"built with {compiler} at {library}"
+        loaded = ctypes.CDLL(str(library))
+        _tidy(library, source.stem)
+        return loaded, f"built with {compiler} at {library}"
     except OSError as e:  # a folder not writable, a library not loadable (noexec)
         return None, f"cannot build or load {library}: {e}"
+
+
+def _tidy(library: Path, stem: str) -> None:
+    """Marks `library` used now and removes the other builds of source `stem` beside it that no
+    process has loaded for STALE_AFTER_S; best effort (a folder this process may read but not
+    write, or a build another process removes first, is left as it is)."""
+    try:
+        os.utime(library)
+        stale_before = library.stat().st_mtime - STALE_AFTER_S
+        for other in library.parent.glob(f"{stem}-*.so"):
+            if other != library and other.stat().st_mtime < stale_before:
+                other.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _build_key(compiler: str, flags: tuple[str, ...], source: Path) -> str:
