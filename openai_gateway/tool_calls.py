@@ -218,14 +218,12 @@ class JsonReplyCalls(ToolCallParser):
         if self._is_calls is False:
             return Parsed(content=text)
         self._held += text
-        opening = self._held.lstrip()
-        if not opening:
-            return Parsed()
-        self._is_calls = opening.startswith("{")
-        if self._is_calls:
-            return Parsed()
-        held, self._held = self._held, ""
-        return Parsed(content=held)
+        if self._is_calls is None and (opening := self._held.lstrip()):
+            self._is_calls = opening.startswith("{")
+            if not self._is_calls:
+                held, self._held = self._held, ""
+                return Parsed(content=held)
+        return Parsed()
 
     def end(self) -> Parsed:
         held, self._held = self._held, ""
