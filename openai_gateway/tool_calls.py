@@ -170,6 +170,7 @@ class HermesCalls(ToolCallParser):
     def __init__(self):
         super().__init__()
         self._held = ""  # text not yet sent: a possible tag's start, or a block not yet closed
+        self._searched = 0  # no tag starts in held before this: a block is searched once, not per piece
         self._in_block = False
 
     def feed(self, text: str) -> Parsed:
@@ -177,16 +178,17 @@ class HermesCalls(ToolCallParser):
         parsed = Parsed()
         while True:
             tag = CLOSE if self._in_block else OPEN
-            at = self._held.find(tag)
+            at = self._held.find(tag, self._searched)
             if at < 0:
+                self._searched = max(0, len(self._held) - len(tag) + 1)
                 break
-            before, self._held = self._held[:at], self._held[at + len(tag) :]
+            before, self._held, self._searched = self._held[:at], self._held[at + len(tag) :], 0
             parsed += self._block(before) if self._in_block else self._content(before)
             self._in_block = not self._in_block
         if not self._in_block:
             keep = _tag_start(self._held)
             parsed += self._content(self._held[: len(self._held) - keep])
-            self._held = self._held[len(self._held) - keep :]
+            self._held, self._searched = self._held[len(self._held) - keep :], 0
         return parsed
 
     def end(self) -> Parsed:
