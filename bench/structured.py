@@ -24,11 +24,10 @@ builds the grammar engine's tokenizer and its token trie); SCHEMA again (cached)
 the engine (SCHEMA with other integer bounds: a compile alone). Medians over the rounds.
 
 Masking: `mask_rows` over logits [32, vocab] with 16 matchers, and the engine's CPU kernel where it
-has one (as its steps call it), replayed through round 0's
-constrained outputs one step at a time (each matcher where the engine's was at that step), over
-the steps in which all 16 decode, beside the grammar engine's masks alone (copies of the same
-matchers); medians of the steps, then of `repeats` replays, against the unconstrained arm's median
-decode step.
+has one (as its steps call it), replayed through round 0's constrained outputs one step at a time
+(each matcher where the engine's was at that step), over the steps in which all 16 decode, beside
+the grammar engine's masks alone (copies of the same matchers); medians of the steps, then of
+`repeats` replays, against the unconstrained arm's median decode step.
 
     .venv/bin/python -m bench.structured [--repeats 5] [--tokens 48]
     .venv/bin/python -m bench.suite --only structured   (recorded in bench/results/, as make bench does)

@@ -90,7 +90,7 @@ def of_required_tools(tools: list[Tool], parallel: bool) -> dict:
     return _fitted(tools, lambda arguments: _required_calls(tools, arguments, parallel))
 
 
-def of_auto_tools(tools: list[Tool], parallel: bool, tool_format: str = "hermes") -> dict:
+def of_auto_tools(tools: list[Tool], parallel: bool, tool_format: str) -> dict:
     grammar = AUTO_GRAMMARS[tool_format]
     return _fitted(tools, lambda arguments: grammar(tools, arguments, parallel))
 
