@@ -27,7 +27,8 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
     """Tools are shown to the model by the chat template unless tool_choice is "none"."""
     start = time.perf_counter()
     mode = body.tool_mode
-    tool_format = (await upstream.model_info()).tool_call_format if mode == "auto" else ""
+    info = await upstream.model_info()
+    tool_format = info.tool_call_format if mode == "auto" else ""
     parser = parser_for(mode, tool_format)
     given = {"messages": [m.sdk_message() for m in body.messages]}
     if parser is not None:
@@ -35,7 +36,9 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
         ]
     renderer = ChatRenderer(body.model, body.alternatives, body.include_usage, tool_parser=parser)
-    return await _serve(request, body, [given], renderer, upstream, metrics, start, tool_format)
+    return await _serve(
+        request, body, [given], renderer, upstream, metrics, start, tool_format, info.tool_call_token_id
+    )
 
 
 async def text(request: Request, body: CompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
@@ -52,9 +55,12 @@ async def _serve(
     metrics,
     start: float,
     tool_format: str = "",
+    call_token: int | None = None,
 ):
     adapter = await upstream.adapter_for(body.model)
-    sampling = body.sdk_sampling(_asked_logprobs(body.alternatives)) | constraint(body, tool_format)
+    sampling = body.sdk_sampling(_asked_logprobs(body.alternatives)) | constraint(
+        body, tool_format, call_token
+    )
     samples = await Samples.start(
         upstream.client, body.model, adapter, inputs, body.n, sampling, body.seed, renderer.id
     )

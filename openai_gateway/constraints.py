@@ -12,7 +12,10 @@ writes one (none or one block when parallel_tool_calls is false). The text is le
 model writes the block's opening tag (llguidance's lazy lexemes); then the block is held whole.
 On a template that teaches Llama 3's JSON calls it is a grammar too: a reply that opens with `{`
 is one or more {"name", "parameters"} calls of the tools, separated by `;` (one when
-parallel_tool_calls is false), and nothing after them; any other reply is free text.
+parallel_tool_calls is false), and nothing after them; any other reply is free text. On a
+template that teaches Mistral's calls: free text, then, if the model writes the special token that
+opens calls ([TOOL_CALLS], by its id), a JSON array of {"name", "arguments"} calls of the tools (one
+when parallel_tool_calls is false), and nothing after it.
 
 A constraint's text is bounded (MAX_STRUCTURED_CHARS). The tools' schemas go in without their
 annotations; where they still do not fit, the schemas of tools not marked `strict` are left out,
@@ -43,10 +46,11 @@ ANY_ARGUMENTS = {"type": "object"}  # a tool's schema left out to fit: its argum
 log = logging.getLogger(__name__)
 
 
-def constraint(body: Sampling, tool_format: str = "") -> dict:
+def constraint(body: Sampling, tool_format: str = "", call_token: int | None = None) -> dict:
     """The SDK keyword of the request's one constraint ({}: none); a 400 when two parameters
     would each constrain the output. `tool_format`: the tool-call format the model's chat template
-    teaches ("hermes"), which `"auto"` holds calls to where nothing else constrains the output."""
+    teaches ("hermes"), which `"auto"` holds calls to where nothing else constrains the output;
+    `call_token`: the special token that opens calls, in formats that have one (mistral)."""
     given = {}
     if body.response_format is not None and body.response_format.type != "text":
         given["response_format"] = of_response_format(body.response_format)
@@ -59,7 +63,7 @@ def constraint(body: Sampling, tool_format: str = "") -> dict:
         raise ApiError(400, f"{names} each constrain the output; give one of them", next(iter(given)))
     known = tool_format in AUTO_GRAMMARS  # a format the gateway reads calls in (tool_calls.py)
     if not given and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and known:
-        return of_auto_tools(body.tools, body.parallel_tool_calls, tool_format)
+        return of_auto_tools(body.tools, body.parallel_tool_calls, tool_format, call_token)
     return next(iter(given.values()), {})
 
 
@@ -90,9 +94,9 @@ def of_required_tools(tools: list[Tool], parallel: bool) -> dict:
     return _fitted(tools, lambda arguments: _required_calls(tools, arguments, parallel))
 
 
-def of_auto_tools(tools: list[Tool], parallel: bool, tool_format: str) -> dict:
+def of_auto_tools(tools: list[Tool], parallel: bool, tool_format: str, call_token: int | None = None) -> dict:
     grammar = AUTO_GRAMMARS[tool_format]
-    return _fitted(tools, lambda arguments: grammar(tools, arguments, parallel))
+    return _fitted(tools, lambda arguments: grammar(tools, arguments, parallel, call_token))
 
 
 def _required_calls(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
@@ -103,8 +107,9 @@ def _required_calls(tools: list[Tool], arguments: list[dict], parallel: bool) ->
     return {"json_schema": schema}
 
 
-def _hermes_grammar(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
-    """Hermes' blocks, <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, among free text."""
+def _hermes_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
+    """Hermes' blocks, <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, among free text
+    (opened by text: no call token)."""
     lines = [
         "%llguidance {}",
         "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
@@ -116,9 +121,9 @@ def _hermes_grammar(tools: list[Tool], arguments: list[dict], parallel: bool) ->
     return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "arguments")) + "\n"}
 
 
-def _llama3_json_grammar(tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
+def _llama3_json_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
     """Llama 3's calls, {"name": ..., "parameters": ...} objects separated by `;`, the whole reply,
-    or free text that does not open with `{`."""
+    or free text that does not open with `{` (no call token)."""
     lines = [
         "%llguidance {}",
         f"start: TEXT | SPACE {'call (SEPARATOR call)*' if parallel else 'call'}",  # then the reply ends
@@ -128,6 +133,22 @@ def _llama3_json_grammar(tools: list[Tool], arguments: list[dict], parallel: boo
         rf'call: "{{\"name\": " ({_functions(tools)}) "}}"',
     ]
     return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "parameters")) + "\n"}
+
+
+def _mistral_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: int) -> dict:
+    """Free text, then maybe the call token and a JSON array of {"name": ..., "arguments": ...}
+    calls (each may carry the nine-character "id" Mistral's templates write after the arguments),
+    which ends the reply."""
+    calls = '(call ", ")* call' if parallel else "call"
+    lines = [
+        "%llguidance {}",
+        f'start: TEXT (<[{call_token}]> SPACE "[" {calls} "]")?',  # the reply ends with the array
+        r"TEXT: /(.|\n)*/",
+        r"SPACE: / ?/",
+        r'ID: /, "id": "[A-Za-z0-9]{9}"/',
+        rf'call: "{{\"name\": " ({_functions(tools)}) ID? "}}"',
+    ]
+    return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "arguments")) + "\n"}
 
 
 def _functions(tools: list[Tool]) -> str:
@@ -145,7 +166,7 @@ def _function_rules(tools: list[Tool], arguments: list[dict], key: str) -> list[
 
 
 # The grammar `"auto"` holds calls to, for each tool-call format a chat template may teach.
-AUTO_GRAMMARS = {"hermes": _hermes_grammar, "llama3_json": _llama3_json_grammar}
+AUTO_GRAMMARS = {"hermes": _hermes_grammar, "llama3_json": _llama3_json_grammar, "mistral": _mistral_grammar}
 
 
 def _fitted(tools: list[Tool], build: Callable[[list[dict]], dict]) -> dict:

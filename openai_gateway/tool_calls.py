@@ -14,6 +14,10 @@ can ask for them:
   "parameters": {...}} objects separated by `;` (as vLLM reads them), sent once the reply is whole;
   any other reply is content, streamed as it comes. A reply that opens with `{` but is not calls is
   content, sent at its end.
+- TokenOpenedCalls: `tool_choice: "auto"` on a chat template that teaches Mistral's format; text is
+  content until the special token [TOOL_CALLS] (the worker keeps it in the text), and after it the
+  reply is a JSON array of {"name", "arguments"} calls, sent once the reply is whole. An array that
+  is not calls is content, the token's text with it.
 
 Each parser takes the text in pieces (feed) and is told when it ends (end); both return the
 content and the parts of calls to send, as OpenAI streams them: a call's first part carries its id
@@ -31,6 +35,7 @@ from .errors import ApiError
 from .protocol import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
 WHITESPACE = re.compile(r"\s*")
 
 
@@ -186,7 +191,7 @@ class HermesCalls(ToolCallParser):
             parsed += self._block(before) if self._in_block else self._content(before)
             self._in_block = not self._in_block
         if not self._in_block:
-            keep = _tag_start(self._held)
+            keep = _tag_start(self._held, OPEN)
             parsed += self._content(self._held[: len(self._held) - keep])
             self._held, self._searched = self._held[len(self._held) - keep :], 0
         return parsed
@@ -235,6 +240,46 @@ class JsonReplyCalls(ToolCallParser):
         return Parsed(calls=[self._call(*call) for call in calls])
 
 
+class TokenOpenedCalls(ToolCallParser):
+    def __init__(self):
+        super().__init__()
+        self._held = ""  # text not yet sent: a possible start of the token, or the calls after it
+        self._in_calls = False
+
+    def feed(self, text: str) -> Parsed:
+        if self._in_calls:
+            self._held += text
+            return Parsed()
+        searched = max(0, len(self._held) - len(MISTRAL_CALLS) + 1)  # held is a tag's start at most
+        self._held += text
+        at = self._held.find(MISTRAL_CALLS, searched)
+        if at >= 0:
+            before, self._held = self._held[:at], self._held[at + len(MISTRAL_CALLS) :]
+            self._in_calls = True
+            return Parsed(content=before) if before.strip() else Parsed()
+        sent = len(self._held) - _tag_start(self._held, MISTRAL_CALLS)
+        content, self._held = self._held[:sent], self._held[sent:]
+        return Parsed(content=content)
+
+    def end(self) -> Parsed:
+        held, self._held = self._held, ""
+        calls = _array_calls(held) if self._in_calls else None
+        if calls is not None:
+            return Parsed(calls=[self._call(*call) for call in calls])
+        text = MISTRAL_CALLS + held if self._in_calls else held
+        return Parsed(content=text) if text else Parsed()
+
+
+def _array_calls(text: str) -> list[tuple[str, str]] | None:
+    """The calls a JSON array of call objects is; None where the text is anything else."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # what a model writes may nest past Python's limit
+        return None
+    calls = [_call_of(item) for item in value] if isinstance(value, list) and value else [None]
+    return None if None in calls else calls
+
+
 def _json_calls(reply: str) -> list[tuple[str, str]] | None:
     """The calls a reply is, JSON objects separated by `;`; None where it is anything else."""
     decoder, calls, at = json.JSONDecoder(), [], 0
@@ -273,10 +318,10 @@ def _call_of(call: object) -> tuple[str, str] | None:
     return call["name"], _compact(arguments)
 
 
-def _tag_start(text: str) -> int:
-    """How many of text's last characters may begin the opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def _tag_start(text: str, tag: str) -> int:
+    """How many of text's last characters may begin the tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
@@ -287,4 +332,4 @@ def _compact(arguments: dict) -> str:
 
 # The parser of `"auto"`'s calls for each tool-call format a chat template may teach
 # (Tokenizer.tool_call_format).
-AUTO_PARSERS = {"hermes": HermesCalls, "llama3_json": JsonReplyCalls}
+AUTO_PARSERS = {"hermes": HermesCalls, "llama3_json": JsonReplyCalls, "mistral": TokenOpenedCalls}

@@ -158,3 +158,20 @@ def tiny_chat_model(tmp_path_factory, default_model_dir) -> Path:
         if (default_model_dir / name).is_file():
             shutil.copy(default_model_dir / name, path / name)
     return path
+
+
+# Mistral's call token in the tests' vocabulary: the default tokenizer's special <file_sep>, renamed.
+MISTRAL_CALLS_ID = 5
+
+
+def with_mistral_calls_token(tokenizer_json: str) -> str:
+    """A tokenizer.json's text with its special token of id 5 renamed [TOOL_CALLS]: the default
+    vocabulary, with Mistral's call token one special token in it, as it is in Mistral's own."""
+    import json
+
+    spec = json.loads(tokenizer_json)
+    [token] = [t for t in spec["added_tokens"] if t["id"] == MISTRAL_CALLS_ID]
+    vocab = spec["model"]["vocab"]
+    vocab["[TOOL_CALLS]"] = vocab.pop(token["content"])
+    token["content"] = "[TOOL_CALLS]"
+    return json.dumps(spec, ensure_ascii=False)

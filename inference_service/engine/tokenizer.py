@@ -4,7 +4,9 @@ Reads tokenizer.json with the `tokenizers` library and renders the chat template
 way transformers does, so a prompt built here tokenizes exactly as it would under transformers.
 """
 
+import hashlib
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +18,10 @@ from shared.errors import FailedPrecondition, InvalidArgument
 
 # What the Llama 3.1 to 3.3 chat templates tell the model a call of a tool the user gives is.
 LLAMA3_JSON_INSTRUCTION = '"parameters": dictionary of argument name and its value'
+# The special token with which Mistral's models open their calls, a JSON array after it.
+MISTRAL_CALLS_TOKEN = "[TOOL_CALLS]"
+# The call ids Mistral's templates take: nine letters and digits.
+MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 class Tokenizer:
@@ -37,6 +43,9 @@ class Tokenizer:
         self._eos_token_ids = self._eos_ids(model_config.get("eos_token_id"))
         self._template_source = chat_template
         self._template = _compile(chat_template, model_dir) if chat_template else None
+        self._tool_call_format, self._tool_call_token_id = self._tool_calls()
+        # Special tokens a decode leaves out: all but the one that opens calls, which the gateway reads.
+        self._skipped = frozenset(backend.get_added_tokens_decoder()) - {self._tool_call_token_id}
         pieces = _pieces(backend)
         self._max_token_bytes = _max_token_bytes(pieces)
         self._token_bytes = _token_bytes(backend, pieces)
@@ -91,6 +100,11 @@ class Tokenizer:
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """`skip_special_tokens` leaves out every special token but the one that opens tool calls
+        (tool_call_token_id), which is what the gateway reads calls after."""
+        if skip_special_tokens and self._tool_call_token_id is not None:
+            token_ids = [i for i in token_ids if i not in self._skipped]
+            skip_special_tokens = False
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @property
@@ -102,13 +116,14 @@ class Tokenizer:
         """The tool-call format the chat template teaches: "hermes" (<tool_call>{...}</tool_call>,
         as Hermes, Qwen2.5 and Qwen3 write calls), "llama3_json" (the whole reply a JSON object
         {"name": ..., "parameters": {...}}, as Llama 3.1 to 3.3 write calls to the tools a user
-        gives), or "" when it teaches none."""
-        source = self._template_source or ""
-        if "<tool_call>" in source:
-            return "hermes"
-        if LLAMA3_JSON_INSTRUCTION in source:
-            return "llama3_json"
-        return ""
+        gives), "mistral" (the special token [TOOL_CALLS], then a JSON array of {"name": ...,
+        "arguments": {...}} calls, as Mistral's models write them), or "" when it teaches none."""
+        return self._tool_call_format
+
+    @property
+    def tool_call_token_id(self) -> int | None:
+        """The special token that opens a reply's calls, in formats that have one (mistral)."""
+        return self._tool_call_token_id
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
@@ -118,6 +133,8 @@ class Tokenizer:
         if self._template is None:
             raise FailedPrecondition(f"model folder {self._model_dir} has no chat template")
         _check_messages(messages)
+        if self._tool_call_format == "mistral":
+            messages = [_with_mistral_ids(message) for message in messages]
         try:
             return self._template.render(
                 messages=messages,
@@ -129,6 +146,18 @@ class Tokenizer:
         except TemplateError as e:
             raise InvalidArgument(f"chat template of {self._model_dir} failed on these messages: {e}") from e
 
+    def _tool_calls(self) -> tuple[str, int | None]:
+        """(tool_call_format, tool_call_token_id), read from the template and the vocabulary."""
+        source = self._template_source or ""
+        if "<tool_call>" in source:
+            return "hermes", None
+        if LLAMA3_JSON_INSTRUCTION in source:
+            return "llama3_json", None
+        special = {t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        if MISTRAL_CALLS_TOKEN in source and MISTRAL_CALLS_TOKEN in special:
+            return "mistral", special[MISTRAL_CALLS_TOKEN]
+        return "", None
+
     def _id_of(self, token: str | None, fallback: int | None) -> int | None:
         token_id = self._backend.token_to_id(token) if token is not None else None
         return fallback if token_id is None else token_id
@@ -137,6 +166,24 @@ class Tokenizer:
         config_ids = config_eos if isinstance(config_eos, list) else [config_eos]
         ids = [self._id_of(self._eos_token, None), *config_ids]
         return tuple(dict.fromkeys(i for i in ids if i is not None))  # dedupe, keep order
+
+
+def _with_mistral_ids(message: dict) -> dict:
+    """The message with its call ids as Mistral's templates take them, nine letters and digits:
+    an id that is not becomes the first nine hex digits of its SHA-256, the same in the call and
+    in the tool's answer to it."""
+    message = dict(message)
+    if "tool_call_id" in message:
+        message["tool_call_id"] = _mistral_id(message["tool_call_id"])
+    if message.get("tool_calls"):
+        message["tool_calls"] = [{**call, "id": _mistral_id(call["id"])} for call in message["tool_calls"]]
+    return message
+
+
+def _mistral_id(call_id: str) -> str:
+    if MISTRAL_CALL_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def _pieces(backend: tokenizers.Tokenizer) -> list[str]:

@@ -230,6 +230,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         experts_per_token=model.moe.top_k if model.moe else 0,
         tensor_parallel_size=config.tensor_parallel_size,
         tool_call_format=tokenizer.tool_call_format if tokenizer else "",
+        tool_call_token_id=tokenizer.tool_call_token_id if tokenizer else None,
     )
 
 

@@ -121,7 +121,11 @@ def test_message_and_tool_keys_are_checked_before_sending():
 
 def test_the_default_model_has_no_tool_call_format(client):
     info = client.model_info()
-    assert (info.model_name, info.tool_call_format) == ("SmolLM2-135M-Instruct", "")
+    assert (info.model_name, info.tool_call_format, info.tool_call_token_id) == (
+        "SmolLM2-135M-Instruct",
+        "",
+        None,
+    )
 
 
 def test_cli_constraint_flags_shape_the_printed_output(default_worker, capsys):

@@ -132,13 +132,21 @@ def grammars(default_model_dir, text_tokenizer):
     grammars.close()
 
 
-def client_on_template(tmp_path_factory, chat_model: Path, store, template: Path):  # noqa: F811
-    """A worker of the chat model with `template` as its chat template and a gateway before it:
-    yields the official client and the model's name, then stops both (a module fixture yields
-    from it)."""
+def client_on_template(
+    tmp_path_factory,
+    chat_model: Path,
+    store,  # noqa: F811
+    template: Path,
+    tokenizer_json: str | None = None,
+):
+    """A worker of the chat model with `template` as its chat template (and `tokenizer_json` as
+    its tokenizer, where given) and a gateway before it: yields the official client and the
+    model's name, then stops both (a module fixture yields from it)."""
     model = tmp_path_factory.mktemp(template.stem) / "llama"
     shutil.copytree(chat_model, model)
     (model / "chat_template.jinja").write_text(template.read_text())  # wins over tokenizer_config's
+    if tokenizer_json is not None:
+        (model / "tokenizer.json").write_text(tokenizer_json)
     worker = WorkerProcess(model, store.address, tmp_path_factory.mktemp(f"{template.stem}-cache") / "cache")
     worker.start()
     log = tmp_path_factory.mktemp(f"{template.stem}-gateway") / "gateway.log"

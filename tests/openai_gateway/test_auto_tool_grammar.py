@@ -2,9 +2,11 @@
 <tool_call> block the model opens to a call of one of the tools, with arguments of that tool's
 schema, and leaves the text outside blocks free. Checked with the worker's own grammar engine
 (Grammars: llguidance on the default model's tokenizer): the texts it takes and refuses, and what
-decoding under its masks writes once a block is open."""
+decoding under its masks writes once a block is open. The same for Llama 3's JSON replies and
+Mistral's [TOOL_CALLS] arrays (on the default vocabulary with that special token in it)."""
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -15,7 +17,8 @@ from inference_service.engine.grammars import Grammars, mask_rows
 from inference_service.sampling import Structured
 from openai_gateway.constraints import constraint
 from openai_gateway.protocol import ChatCompletionRequest
-from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, whole_calls
+from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, TokenOpenedCalls, whole_calls
+from tests.conftest import MISTRAL_CALLS_ID, with_mistral_calls_token
 
 from .test_auto_tool_calls import WEATHER
 
@@ -35,7 +38,8 @@ def request(parallel: bool = True, **more) -> ChatCompletionRequest:
 
 
 def matcher(grammars: Grammars, parallel: bool, tool_format: str = "hermes"):
-    sent = constraint(request(parallel), tool_format=tool_format)
+    call_token = MISTRAL_CALLS_ID if tool_format == "mistral" else None
+    sent = constraint(request(parallel), tool_format=tool_format, call_token=call_token)
     return grammars.matcher(Structured("grammar", sent["grammar"]))
 
 
@@ -148,6 +152,84 @@ def test_decoding_under_llamas_masks_writes_valid_calls_once_a_reply_opens_with_
     assert m.is_stopped() and parsed.content == ""
     [call] = whole_calls(parsed.calls)
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(default_model_dir, tmp_path_factory) -> Path:
+    """tokenizer.json of the default vocabulary with [TOOL_CALLS] a special token (id 5)."""
+    path = tmp_path_factory.mktemp("mistral") / "tokenizer.json"
+    path.write_text(with_mistral_calls_token((default_model_dir / "tokenizer.json").read_text()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mistral_text(mistral_tokenizer) -> Tokenizer:
+    return Tokenizer.from_file(str(mistral_tokenizer))
+
+
+@pytest.fixture(scope="module")
+def mistral_grammars(mistral_tokenizer, mistral_text):
+    grammars = Grammars(mistral_tokenizer, mistral_text.get_vocab_size(), (2,), timeout_s=60)
+    yield grammars
+    grammars.close()
+
+
+MISTRAL_CALL = '{"name": "get_weather", "arguments": {"city":"Paris","days":3}}'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(
+    "text, taken_when_parallel, taken_alone",
+    [
+        ("No call is needed: [1, 2].", True, True),
+        ("", True, True),
+        (f"[TOOL_CALLS] [{MISTRAL_CALL}]", True, True),
+        (f"[TOOL_CALLS][{MISTRAL_CALL}]", True, True),
+        (f"Sure.[TOOL_CALLS] [{MISTRAL_CALL}]", True, True),  # text before the token is content
+        (f'[TOOL_CALLS] [{MISTRAL_CALL[:-1]}, "id": "a1b2c3d4e"}}]', True, True),  # as templates write
+        ('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', True, True),
+        (f"[TOOL_CALLS] [{MISTRAL_CALL}, {MISTRAL_CALL}]", True, False),  # not parallel: one call
+        (f"[TOOL_CALLS] [{MISTRAL_CALL}] done", False, False),  # the array ends the reply
+        ("[TOOL_CALLS] []", False, False),
+        (f"[TOOL_CALLS] {MISTRAL_CALL}", False, False),  # an array, not a bare call
+        (f'[TOOL_CALLS] [{MISTRAL_CALL[:-1]}, "id": "short"}}]', False, False),
+        ("[TOOL_CALLS] [" + MISTRAL_CALL.replace('"days":3', '"days":9') + "]", False, False),
+        ("[TOOL_CALLS] [" + MISTRAL_CALL.replace("get_weather", "get_wether") + "]", False, False),
+        ("[TOOL_CALLS] [" + MISTRAL_CALL.replace('"arguments"', '"parameters"') + "]", False, False),
+    ],
+)
+def test_mistrals_grammar_takes_text_then_calls_of_the_tools_only(
+    mistral_grammars, mistral_text, parallel, text, taken_when_parallel, taken_alone
+):
+    assert MISTRAL_CALLS_ID in mistral_text.encode(text).ids or "[TOOL_CALLS]" not in text
+    taken = takes(mistral_grammars, mistral_text, parallel, text, "mistral")
+    assert taken == (taken_when_parallel if parallel else taken_alone)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decoding_under_mistrals_masks_writes_valid_calls_after_the_call_token(
+    mistral_grammars, mistral_text, seed
+):
+    """Random logits after [TOOL_CALLS]: the masks leave only an array of calls of the tools with
+    arguments of their schemas, then the reply's end, and the gateway reads it."""
+    m = matcher(mistral_grammars, parallel=True, tool_format="mistral")
+    assert m.consume_token(MISTRAL_CALLS_ID)
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    while not m.is_stopped() and len(ids) < 300:
+        logits = torch.randn(1, mistral_text.get_vocab_size(), generator=generator)  # [1, vocab]
+        token = int(mask_rows(logits, [m]).argmax())
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+    reply = mistral_text.decode([MISTRAL_CALLS_ID] + [i for i in ids if i != 2], skip_special_tokens=False)
+    parser = TokenOpenedCalls()
+    parsed = parser.feed(reply)
+    parsed += parser.end()
+    assert m.is_stopped() and parsed.content == ""
+    calls = whole_calls(parsed.calls)
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
 
 
 def test_another_constraint_given_with_auto_is_the_one_held():

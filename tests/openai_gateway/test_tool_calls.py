@@ -1,7 +1,8 @@
 """Tool calls read from completion text (openai_gateway/tool_calls.py): whatever pieces a stream
 brings the text in, the calls and content sent add up to what the whole text gives; Hermes blocks
 become calls, text around them content, and what is not a call stays text; a Llama 3 reply that
-is JSON calls becomes calls, any other reply content."""
+is JSON calls becomes calls, any other reply content; after Mistral's [TOOL_CALLS] a JSON array of
+calls becomes calls, the text before it content."""
 
 import itertools
 import json
@@ -18,6 +19,7 @@ from openai_gateway.tool_calls import (
     JsonReplyCalls,
     NamedCall,
     Parsed,
+    TokenOpenedCalls,
     parser_for,
     whole_calls,
 )
@@ -53,6 +55,29 @@ LLAMA_REPLIES = {
     "calls, one unclosed": (f"{LLAMA}; {LLAMA[:-1]}", f"{LLAMA}; {LLAMA[:-1]}", []),
     "only space": ("  \n", "  \n", []),
     "nested past the recursion limit": (NESTED, NESTED, []),
+}
+
+MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]'
+# A reply (the worker keeps the call token in its text), the content it gives, and the calls.
+MISTRAL_REPLIES = {
+    "one call": (f"[TOOL_CALLS] {MISTRAL}", "", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    "two calls, with the ids Mistral's templates write, text before": (
+        'Checking.[TOOL_CALLS][{"name": "time", "arguments": {"tz": "]"}, "id": "a1b2c3d4e"}, '
+        '{"name": "time", "arguments": {}}]',
+        "Checking.",
+        [("time", {"tz": "]"}), ("time", {})],
+    ),
+    "text": ("Paris is [sunny].", "Paris is [sunny].", []),
+    "a token's start, not the token": ("see [TOOL_CALL", "see [TOOL_CALL", []),
+    "an array not of calls": ("[TOOL_CALLS] [1, 2]", "[TOOL_CALLS] [1, 2]", []),
+    "an empty array": ("[TOOL_CALLS] []", "[TOOL_CALLS] []", []),
+    "a call, then text": (f"[TOOL_CALLS] {MISTRAL} done", f"[TOOL_CALLS] {MISTRAL} done", []),
+    "unclosed": (f"[TOOL_CALLS] {MISTRAL[:-1]}", f"[TOOL_CALLS] {MISTRAL[:-1]}", []),
+    "nested past the recursion limit": (
+        "[TOOL_CALLS]" + "[" * 5000 + "]" * 5000,
+        "[TOOL_CALLS]" + "[" * 5000 + "]" * 5000,
+        [],
+    ),
 }
 
 
@@ -160,12 +185,31 @@ def test_a_llama_reply_of_text_streams_as_it_comes():
     assert parser.end() == Parsed()
 
 
+@pytest.mark.parametrize("case", list(MISTRAL_REPLIES))
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_a_mistral_reply_is_content_then_calls_in_any_pieces(case, cuts):
+    reply, content, calls = MISTRAL_REPLIES[case]
+    whole = _whole(TokenOpenedCalls(), reply)
+    assert (whole.content, _calls(whole)) == (content, calls)
+    streamed = _streamed(TokenOpenedCalls(), reply, [c % (len(reply) + 1) for c in cuts])
+    assert (streamed.content, _calls(streamed)) == (content, calls)
+
+
+def test_mistral_text_streams_as_it_comes_and_a_call_token_is_held_until_known():
+    parser = TokenOpenedCalls()
+    assert parser.feed("Sunny [TOOL") == Parsed(content="Sunny ")  # "[TOOL" may open the calls
+    assert parser.feed("S] and [warm]") == Parsed(content="[TOOLS] and [warm]")
+    assert parser.feed(" [TOOL_CALLS]" + MISTRAL) == Parsed()  # space just before calls is not content
+    assert _calls(parser.end()) == [("get_weather", {"city": "Paris", "unit": "c"})]
+
+
 def test_auto_needs_a_template_that_teaches_a_format_and_the_others_do_not():
     with pytest.raises(ApiError, match="teaches it no tool-call format") as raised:
         parser_for("auto", "")
     assert raised.value.param == "tool_choice"
     assert parser_for("auto", "hermes") is HermesCalls
     assert parser_for("auto", "llama3_json") is JsonReplyCalls
+    assert parser_for("auto", "mistral") is TokenOpenedCalls
     assert parser_for("required", "") is CallList
     assert parser_for("none", "hermes") is None
     named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "")

@@ -1,5 +1,6 @@
 """Our tokenizer on the default model's folder against transformers' tokenizer read from the same GGUF."""
 
+import hashlib
 import json
 import shutil
 import unicodedata
@@ -10,6 +11,7 @@ import pytest
 from inference_service.default_model import find_gguf
 from inference_service.engine.tokenizer import Tokenizer
 from shared.errors import FailedPrecondition, InvalidArgument
+from tests.conftest import MISTRAL_CALLS_ID, with_mistral_calls_token
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -259,3 +261,82 @@ def test_tools_calls_and_results_render_as_transformers_renders_them(
 
 def test_a_template_without_tool_calls_teaches_no_format(tokenizer):
     assert tokenizer.tool_call_format == ""
+
+
+@pytest.fixture
+def mistral_dir(default_model_dir, tmp_path) -> Path:
+    """The default tokenizer with [TOOL_CALLS] one of its special tokens, and the Mistral-style
+    test template."""
+    tokenizer_json = (default_model_dir / "tokenizer.json").read_text()
+    (tmp_path / "tokenizer.json").write_text(with_mistral_calls_token(tokenizer_json))
+    shutil.copy(default_model_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    template = (Path(__file__).parents[2] / "mistral_chat_template.jinja").read_text()
+    (tmp_path / "chat_template.jinja").write_text(template)
+    return tmp_path
+
+
+def test_a_mistral_template_over_its_call_token_teaches_the_mistral_format(mistral_dir):
+    tokenizer = Tokenizer.from_dir(mistral_dir)
+    assert (tokenizer.tool_call_format, tokenizer.tool_call_token_id) == ("mistral", MISTRAL_CALLS_ID)
+
+
+def test_without_the_call_token_a_mistral_template_teaches_no_format(mistral_dir, default_model_dir):
+    """Calls are read after the special token; a vocabulary without it cannot open them."""
+    shutil.copy(default_model_dir / "tokenizer.json", mistral_dir / "tokenizer.json")
+    tokenizer = Tokenizer.from_dir(mistral_dir)
+    assert (tokenizer.tool_call_format, tokenizer.tool_call_token_id) == ("", None)
+
+
+def test_the_call_token_under_a_template_that_does_not_teach_it_is_left_out(mistral_dir):
+    """A vocabulary that has the token, under a template that teaches no calls after it."""
+    (mistral_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    tokenizer = Tokenizer.from_dir(mistral_dir)
+    assert (tokenizer.tool_call_format, tokenizer.tool_call_token_id) == ("", None)
+    ids = tokenizer.encode("a[TOOL_CALLS]b", add_special_tokens=False)
+    assert MISTRAL_CALLS_ID in ids and tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_a_decode_keeps_the_call_token_and_leaves_out_the_other_special_tokens(mistral_dir):
+    tokenizer = Tokenizer.from_dir(mistral_dir)
+    calls = '[{"name": "now", "arguments": {}}]'
+    ids = tokenizer.encode("Sure.[TOOL_CALLS] " + calls + "<|im_end|>", add_special_tokens=False)
+    assert MISTRAL_CALLS_ID in ids and 2 in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Sure.[TOOL_CALLS] " + calls
+    assert tokenizer.decode(ids) == "Sure.[TOOL_CALLS] " + calls + "<|im_end|>"
+
+
+def test_other_formats_leave_out_every_special_token(tokenizer):
+    ids = tokenizer.encode("a<file_sep>b<|im_end|>", add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_mistral_call_ids_become_nine_characters_as_its_templates_take_them(mistral_dir, reference):
+    """Mistral's templates refuse ids other than nine letters and digits, which OpenAI's ids
+    (call_...) are not: each becomes the first nine hex digits of its SHA-256, in the call and in
+    the tool's answer alike; an id of nine already stays."""
+    tokenizer = Tokenizer.from_dir(mistral_dir)
+    template = (mistral_dir / "chat_template.jinja").read_text()
+    render = lambda chat: reference.apply_chat_template(  # noqa: E731
+        chat, tools=TOOLS, chat_template=template, tokenize=False
+    )
+    with pytest.raises(Exception, match="nine letters and digits"):
+        render(TOOL_CHAT)
+    short = hashlib.sha256(b"call_1").hexdigest()[:9]
+    ours = tokenizer.apply_chat_template(TOOL_CHAT, tools=TOOLS)
+    assert ours == render(_with_call_id(TOOL_CHAT, short))
+    assert "[AVAILABLE_TOOLS]" in ours and f'"id": "{short}"' in ours and f'"call_id": "{short}"' in ours
+    kept = _with_call_id(TOOL_CHAT, "Ab3dE6gH9")
+    assert tokenizer.apply_chat_template(kept, tools=TOOLS) == render(kept)
+
+
+def _with_call_id(chat: list[dict], call_id: str) -> list[dict]:
+    """The chat with its one call's id, and its tool answer's, replaced."""
+    replaced = []
+    for message in chat:
+        if message.get("tool_calls"):
+            [call] = message["tool_calls"]
+            message = {**message, "tool_calls": [{**call, "id": call_id}]}
+        elif message["role"] == "tool":
+            message = {**message, "tool_call_id": call_id}
+        replaced.append(message)
+    return replaced
