@@ -101,6 +101,19 @@ def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammar
     assert parsed.content == "Sure. " + (after if after.strip() else "")
 
 
+def decoded_to_the_end(m, vocab_size: int, seed: int) -> list[int]:
+    """What greedy decoding of random logits under the matcher's masks writes until the grammar
+    ends it (at most 300 tokens), EOS (id 2) left out."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    while not m.is_stopped() and len(ids) < 300:
+        logits = torch.randn(1, vocab_size, generator=generator)  # [1, vocab]
+        token = int(mask_rows(logits, [m]).argmax())
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+    return [i for i in ids if i != 2]
+
+
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city":"Paris","days":3}}'
 
 
@@ -138,14 +151,7 @@ def test_decoding_under_llamas_masks_writes_valid_calls_once_a_reply_opens_with_
     its schema, then the reply's end, and the gateway reads it."""
     m = matcher(grammars, parallel=False, tool_format="llama3_json")
     assert m.consume_tokens(text_tokenizer.encode("{", add_special_tokens=False).ids)
-    generator = torch.Generator().manual_seed(seed)
-    ids = []
-    while not m.is_stopped() and len(ids) < 300:
-        logits = torch.randn(1, text_tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
-        token = int(mask_rows(logits, [m]).argmax())
-        assert m.consume_token(token), m.get_error()
-        ids.append(token)
-    reply = "{" + text_tokenizer.decode([i for i in ids if i != 2])  # EOS (id 2) ends the reply
+    reply = "{" + text_tokenizer.decode(decoded_to_the_end(m, text_tokenizer.get_vocab_size(), seed))
     parser = JsonReplyCalls()
     parsed = parser.feed(reply)
     parsed += parser.end()
@@ -214,14 +220,8 @@ def test_decoding_under_mistrals_masks_writes_valid_calls_after_the_call_token(
     arguments of their schemas, then the reply's end, and the gateway reads it."""
     m = matcher(mistral_grammars, parallel=True, tool_format="mistral")
     assert m.consume_token(MISTRAL_CALLS_ID)
-    generator = torch.Generator().manual_seed(seed)
-    ids = []
-    while not m.is_stopped() and len(ids) < 300:
-        logits = torch.randn(1, mistral_text.get_vocab_size(), generator=generator)  # [1, vocab]
-        token = int(mask_rows(logits, [m]).argmax())
-        assert m.consume_token(token), m.get_error()
-        ids.append(token)
-    reply = mistral_text.decode([MISTRAL_CALLS_ID] + [i for i in ids if i != 2], skip_special_tokens=False)
+    ids = decoded_to_the_end(m, mistral_text.get_vocab_size(), seed)
+    reply = mistral_text.decode([MISTRAL_CALLS_ID, *ids], skip_special_tokens=False)
     parser = TokenOpenedCalls()
     parsed = parser.feed(reply)
     parsed += parser.end()

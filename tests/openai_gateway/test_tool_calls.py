@@ -167,13 +167,24 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     assert _calls(first + second) == [("get_weather", {"city": "Rome"})]
 
 
-@pytest.mark.parametrize("case", list(LLAMA_REPLIES))
+# The formats whose replies are read with the calls sent at the reply's end: each parser, with
+# the replies above, their content and their calls.
+REPLY_CASES = [(JsonReplyCalls, LLAMA_REPLIES[case]) for case in LLAMA_REPLIES] + [
+    (TokenOpenedCalls, MISTRAL_REPLIES[case]) for case in MISTRAL_REPLIES
+]
+
+
+@pytest.mark.parametrize(
+    "parser, reply",
+    REPLY_CASES,
+    ids=[f"llama: {case}" for case in LLAMA_REPLIES] + [f"mistral: {case}" for case in MISTRAL_REPLIES],
+)
 @given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
-def test_a_llama_reply_is_calls_or_content_in_any_pieces(case, cuts):
-    reply, content, calls = LLAMA_REPLIES[case]
-    whole = _whole(JsonReplyCalls(), reply)
+def test_a_reply_is_calls_or_content_in_any_pieces(parser, reply, cuts):
+    text, content, calls = reply
+    whole = _whole(parser(), text)
     assert (whole.content, _calls(whole)) == (content, calls)
-    streamed = _streamed(JsonReplyCalls(), reply, [c % (len(reply) + 1) for c in cuts])
+    streamed = _streamed(parser(), text, [c % (len(text) + 1) for c in cuts])
     assert (streamed.content, _calls(streamed)) == (content, calls)
 
 
@@ -183,16 +194,6 @@ def test_a_llama_reply_of_text_streams_as_it_comes():
     assert parser.feed("Sunny") == Parsed(content="\n Sunny")
     assert parser.feed(" {and} warm") == Parsed(content=" {and} warm")
     assert parser.end() == Parsed()
-
-
-@pytest.mark.parametrize("case", list(MISTRAL_REPLIES))
-@given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
-def test_a_mistral_reply_is_content_then_calls_in_any_pieces(case, cuts):
-    reply, content, calls = MISTRAL_REPLIES[case]
-    whole = _whole(TokenOpenedCalls(), reply)
-    assert (whole.content, _calls(whole)) == (content, calls)
-    streamed = _streamed(TokenOpenedCalls(), reply, [c % (len(reply) + 1) for c in cuts])
-    assert (streamed.content, _calls(streamed)) == (content, calls)
 
 
 def test_mistral_text_streams_as_it_comes_and_a_call_token_is_held_until_known():
