@@ -14,7 +14,7 @@ can ask for them:
   "parameters": {...}} objects separated by `;` (as vLLM reads them), sent once the reply is whole;
   any other reply is content, streamed as it comes. A reply that opens with `{` but is not calls is
   content, sent at its end.
-- TokenOpenedCalls: `tool_choice: "auto"` on a chat template that teaches Mistral's format; text is
+- MistralCalls: `tool_choice: "auto"` on a chat template that teaches Mistral's format; text is
   content until the special token [TOOL_CALLS] (the worker keeps it in the text), and after it the
   reply is a JSON array of {"name", "arguments"} calls, sent once the reply is whole. An array that
   is not calls is content, the token's text with it.
@@ -240,7 +240,7 @@ class JsonReplyCalls(ToolCallParser):
         return Parsed(calls=[self._call(*call) for call in calls])
 
 
-class TokenOpenedCalls(ToolCallParser):
+class MistralCalls(ToolCallParser):
     def __init__(self):
         super().__init__()
         self._held = ""  # text not yet sent: a possible start of the token, or the calls after it
@@ -276,7 +276,9 @@ def _array_calls(text: str) -> list[tuple[str, str]] | None:
         value = json.loads(text)
     except (ValueError, RecursionError):  # what a model writes may nest past Python's limit
         return None
-    calls = [_call_of(item) for item in value] if isinstance(value, list) and value else [None]
+    if not isinstance(value, list) or not value:
+        return None
+    calls = [_call_of(item) for item in value]
     return None if None in calls else calls
 
 
@@ -332,4 +334,4 @@ def _compact(arguments: dict) -> str:
 
 # The parser of `"auto"`'s calls for each tool-call format a chat template may teach
 # (Tokenizer.tool_call_format).
-AUTO_PARSERS = {"hermes": HermesCalls, "llama3_json": JsonReplyCalls, "mistral": TokenOpenedCalls}
+AUTO_PARSERS = {"hermes": HermesCalls, "llama3_json": JsonReplyCalls, "mistral": MistralCalls}

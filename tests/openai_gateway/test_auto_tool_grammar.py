@@ -17,7 +17,7 @@ from inference_service.engine.grammars import Grammars, mask_rows
 from inference_service.sampling import Structured
 from openai_gateway.constraints import constraint
 from openai_gateway.protocol import ChatCompletionRequest
-from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, TokenOpenedCalls, whole_calls
+from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, MistralCalls, whole_calls
 from tests.conftest import MISTRAL_CALLS_ID, with_mistral_calls_token
 
 from .test_auto_tool_calls import WEATHER
@@ -222,7 +222,7 @@ def test_decoding_under_mistrals_masks_writes_valid_calls_after_the_call_token(
     assert m.consume_token(MISTRAL_CALLS_ID)
     ids = decoded_to_the_end(m, mistral_text.get_vocab_size(), seed)
     reply = mistral_text.decode([MISTRAL_CALLS_ID, *ids], skip_special_tokens=False)
-    parser = TokenOpenedCalls()
+    parser = MistralCalls()
     parsed = parser.feed(reply)
     parsed += parser.end()
     assert m.is_stopped() and parsed.content == ""

@@ -17,9 +17,9 @@ from openai_gateway.tool_calls import (
     CallList,
     HermesCalls,
     JsonReplyCalls,
+    MistralCalls,
     NamedCall,
     Parsed,
-    TokenOpenedCalls,
     parser_for,
     whole_calls,
 )
@@ -170,7 +170,7 @@ def test_a_named_call_streams_its_arguments_as_they_come():
 # The formats whose replies are read with the calls sent at the reply's end: each parser, with
 # the replies above, their content and their calls.
 REPLY_CASES = [(JsonReplyCalls, LLAMA_REPLIES[case]) for case in LLAMA_REPLIES] + [
-    (TokenOpenedCalls, MISTRAL_REPLIES[case]) for case in MISTRAL_REPLIES
+    (MistralCalls, MISTRAL_REPLIES[case]) for case in MISTRAL_REPLIES
 ]
 
 
@@ -197,7 +197,7 @@ def test_a_llama_reply_of_text_streams_as_it_comes():
 
 
 def test_mistral_text_streams_as_it_comes_and_a_call_token_is_held_until_known():
-    parser = TokenOpenedCalls()
+    parser = MistralCalls()
     assert parser.feed("Sunny [TOOL") == Parsed(content="Sunny ")  # "[TOOL" may open the calls
     assert parser.feed("S] and [warm]") == Parsed(content="[TOOLS] and [warm]")
     assert parser.feed(" [TOOL_CALLS]" + MISTRAL) == Parsed()  # space just before calls is not content
@@ -210,7 +210,7 @@ def test_auto_needs_a_template_that_teaches_a_format_and_the_others_do_not():
     assert raised.value.param == "tool_choice"
     assert parser_for("auto", "hermes") is HermesCalls
     assert parser_for("auto", "llama3_json") is JsonReplyCalls
-    assert parser_for("auto", "mistral") is TokenOpenedCalls
+    assert parser_for("auto", "mistral") is MistralCalls
     assert parser_for("required", "") is CallList
     assert parser_for("none", "hermes") is None
     named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "")
