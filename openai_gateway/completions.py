@@ -29,7 +29,8 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
     mode = body.tool_mode
     info = await upstream.model_info()
     tool_format = info.tool_call_format if mode == "auto" else ""
-    parser = parser_for(mode, tool_format)
+    schemas = {tool.function.name: tool.function.parameters or {} for tool in body.tools or []}
+    parser = parser_for(mode, tool_format, schemas)
     given = {"messages": [m.sdk_message() for m in body.messages]}
     if parser is not None:
         given["tools"] = [

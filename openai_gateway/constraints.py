@@ -151,6 +151,69 @@ def _mistral_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, c
     return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "arguments")) + "\n"}
 
 
+def _xml_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
+    """Qwen3-Coder's blocks among free text, as Hermes' are: <tool_call>\\n<function=NAME>\\n, then
+    each parameter <parameter=KEY>\\nVALUE\\n</parameter>\\n in its schema's order (the required
+    ones always), then </function>\\n</tool_call>. A string's value is any text (one of its enum,
+    where it has one), a boolean's true or false, any other value JSON of its schema (no call token)."""
+    lines = [
+        "%llguidance {}",
+        "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
+        r"TEXT: /(.|\n)*/",
+        r"SPACE: /\s*/",
+        r"KEY: /[^>\n]+/",
+        'opening[lazy]: TEXT "<tool_call>"',
+        rf'call: opening "\n" ({_functions(tools)}) "</function>\n</tool_call>"',
+        rf'text_value[lazy]: TEXT "{XML_VALUE_END}"',
+        r'any_parameter: "<parameter=" KEY ">\n" text_value',
+    ]
+    for i, (tool, schema) in enumerate(zip(tools, arguments, strict=True)):
+        lines += _xml_function_rules(i, tool.function.name, schema)
+    return {"grammar": "\n".join(lines) + "\n"}
+
+
+def _xml_function_rules(i: int, name: str, schema: dict) -> list[str]:
+    """function_i: tool i's name and parameters; any parameters, each a text, where its schema is
+    not an object of named properties that XML can hold one by one."""
+    head = f"function_{i}: {json.dumps(f'<function={name}>' + chr(10))}"
+    properties = schema.get("properties")
+    if (
+        not isinstance(properties, dict)
+        or XML_UNHELD & schema.keys()
+        or any(_unwritable(k) for k in properties)
+    ):
+        return [f"{head} any_parameter*"]
+    required = schema.get("required", [])
+    defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs name
+    rules, parts = [], []
+    for j, (key, sub) in enumerate(properties.items()):
+        rule, tag = f"parameter_{i}_{j}", json.dumps(f"<parameter={key}>\n")
+        parts.append(rule if key in required else f"{rule}?")
+        rules.append(f"{rule}: {tag} {_xml_value(sub, defs)}")
+    return [f"{head} {' '.join(parts)}", *rules]
+
+
+def _xml_value(schema: object, defs: dict) -> str:
+    """The grammar of a parameter's value and the tag that closes it."""
+    end = f'"{XML_VALUE_END}"'
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    enum = schema.get("enum") if kinds == ["string"] else None
+    if isinstance(enum, list) and all(isinstance(v, str) for v in enum):
+        return f"({' | '.join(json.dumps(v) for v in enum)}) {end}"
+    if "string" in kinds:
+        return "text_value"  # the parser reads it as text (or null, where the schema allows it)
+    if kinds == ["boolean"]:
+        return f'("true" | "false" | "True" | "False") {end}'  # Python's, as the template writes them
+    held = {**schema, **defs} if isinstance(schema, dict) else schema
+    return f"%json {_json(_compact(held) if isinstance(held, dict) else held)} {end}"
+
+
+def _unwritable(key: str) -> bool:
+    """A parameter name that cannot stand in <parameter=KEY>."""
+    return not key or ">" in key or "\n" in key
+
+
 def _functions(tools: list[Tool]) -> str:
     return " | ".join(f"function_{i}" for i in range(len(tools)))
 
@@ -166,7 +229,29 @@ def _function_rules(tools: list[Tool], arguments: list[dict], key: str) -> list[
 
 
 # The grammar `"auto"` holds calls to, for each tool-call format a chat template may teach.
-AUTO_GRAMMARS = {"hermes": _hermes_grammar, "llama3_json": _llama3_json_grammar, "mistral": _mistral_grammar}
+AUTO_GRAMMARS = {
+    "hermes": _hermes_grammar,
+    "llama3_json": _llama3_json_grammar,
+    "mistral": _mistral_grammar,
+    "qwen3_xml": _xml_grammar,
+}
+# What closes an XML parameter's value; keywords of an object schema that XML's parameters, each
+# held one by one, cannot hold (its calls are then held to any parameters).
+XML_VALUE_END = r"\n</parameter>\n"
+XML_UNHELD = {
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "not",
+    "if",
+    "$ref",
+    "patternProperties",
+    "dependentRequired",
+    "dependentSchemas",
+    "propertyNames",
+    "minProperties",
+    "maxProperties",
+}
 
 
 def _fitted(tools: list[Tool], build: Callable[[list[dict]], dict]) -> dict:

@@ -14,6 +14,9 @@ can ask for them:
   "parameters": {...}} objects separated by `;` (as vLLM reads them), sent once the reply is whole;
   any other reply is content, streamed as it comes. A reply that opens with `{` but is not calls is
   content, sent at its end.
+- XmlCalls: `tool_choice: "auto"` on a chat template that teaches Qwen3-Coder's format: blocks as
+  Hermes', each <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>;
+  a value is read by the tool's schema (text where it says string, else JSON).
 - MistralCalls: `tool_choice: "auto"` on a chat template that teaches Mistral's format; text is
   content until the special token [TOOL_CALLS] (the worker keeps it in the text), and after it the
   reply is a JSON array of {"name", "arguments"} calls, sent once the reply is whole. An array that
@@ -36,6 +39,9 @@ from .protocol import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
+# Qwen3-Coder's block: <function=NAME> and the parameters, each <parameter=KEY>\nVALUE\n</parameter>.
+XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 WHITESPACE = re.compile(r"\s*")
 
 
@@ -63,9 +69,12 @@ class Parsed:
         return Parsed(self.content + other.content, self.calls + other.calls)
 
 
-def parser_for(mode: str | NamedToolChoice, template_format: str) -> Callable[[], "ToolCallParser"] | None:
+def parser_for(
+    mode: str | NamedToolChoice, template_format: str, schemas: dict[str, dict]
+) -> Callable[[], "ToolCallParser"] | None:
     """What reads a choice's calls for this tool choice (None: tools are not called); `auto` needs
-    a chat template that teaches the model a format to write calls in."""
+    a chat template that teaches the model a format to write calls in. `schemas`: each tool's
+    parameter schema, by name (XML calls' values are read by them)."""
     if mode == "none":
         return None
     if isinstance(mode, NamedToolChoice):
@@ -80,7 +89,8 @@ def parser_for(mode: str | NamedToolChoice, template_format: str) -> Callable[[]
             'named function, which constrain the output to calls, or `"none"`.',
             "tool_choice",
         )
-    return AUTO_PARSERS[template_format]
+    parser = AUTO_PARSERS[template_format]
+    return (lambda: XmlCalls(schemas)) if parser is XmlCalls else parser
 
 
 def call_id() -> str:
@@ -201,8 +211,8 @@ class HermesCalls(ToolCallParser):
         return self._block(held, closed=False) if self._in_block else self._content(held)
 
     def _block(self, inner: str, closed: bool = True) -> Parsed:
-        """A call, or, when the block's JSON is not one, its text as content."""
-        call = _hermes_call(inner)
+        """A call, or, when the block is not one, its text as content."""
+        call = self._read(inner)
         if call is None:
             return self._content(OPEN + inner + (CLOSE if closed else ""))
         return Parsed(calls=[self._call(*call)])
@@ -213,6 +223,31 @@ class HermesCalls(ToolCallParser):
         if self.calls and not text.strip():
             return Parsed()
         return Parsed(content=text)
+
+    def _read(self, inner: str) -> tuple[str, str] | None:
+        """(name, arguments' JSON) of the call a block holds; None where it holds none."""
+        return _hermes_call(inner)
+
+
+class XmlCalls(HermesCalls):
+    def __init__(self, schemas: dict[str, dict]):
+        super().__init__()
+        self._schemas = schemas  # each tool's parameter schema, by name: how to read its values
+
+    def _read(self, inner: str) -> tuple[str, str] | None:
+        function = XML_FUNCTION.fullmatch(inner)
+        if function is None:
+            return None
+        name, body = function[1], function[2]
+        properties = self._schemas.get(name, {}).get("properties", {})
+        arguments, at = {}, 0
+        for parameter in XML_PARAMETER.finditer(body):
+            if body[at : parameter.start()].strip():
+                return None
+            key = parameter[1]
+            arguments[key] = _xml_value(parameter[2], properties.get(key, {}))
+            at = parameter.end()
+        return None if body[at:].strip() else (name, _compact(arguments))
 
 
 class JsonReplyCalls(ToolCallParser):
@@ -268,6 +303,25 @@ class MistralCalls(ToolCallParser):
             return Parsed(calls=[self._call(*call) for call in calls])
         text = MISTRAL_CALLS + held if self._in_calls else held
         return Parsed(content=text) if text else Parsed()
+
+
+def _xml_value(text: str, schema: dict) -> object:
+    """A parameter's value as the tool's schema reads it: null where it may be null and says so;
+    text where it says string; true or false
+    (as JSON or as Python writes them, which Qwen3-Coder's template does) where it says boolean;
+    JSON otherwise, or the text where it is not JSON."""
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "null" in kinds and text == "null":
+        return None
+    if "string" in kinds:
+        return text
+    if "boolean" in kinds and text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
 
 
 def _array_calls(text: str) -> list[tuple[str, str]] | None:
@@ -334,4 +388,9 @@ def _compact(arguments: dict) -> str:
 
 # The parser of `"auto"`'s calls for each tool-call format a chat template may teach
 # (Tokenizer.tool_call_format).
-AUTO_PARSERS = {"hermes": HermesCalls, "llama3_json": JsonReplyCalls, "mistral": MistralCalls}
+AUTO_PARSERS = {
+    "hermes": HermesCalls,
+    "llama3_json": JsonReplyCalls,
+    "mistral": MistralCalls,
+    "qwen3_xml": XmlCalls,
+}

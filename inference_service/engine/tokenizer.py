@@ -18,6 +18,8 @@ from shared.errors import FailedPrecondition, InvalidArgument
 
 # What the Llama 3.1 to 3.3 chat templates tell the model a call of a tool the user gives is.
 LLAMA3_JSON_INSTRUCTION = '"parameters": dictionary of argument name and its value'
+# What Qwen3-Coder's template shows the model a call is made of, in <tool_call> blocks.
+QWEN3_XML_TAGS = ("<tool_call>", "<function=", "<parameter=")
 # The special token with which Mistral's models open their calls, a JSON array after it.
 MISTRAL_CALLS_TOKEN = "[TOOL_CALLS]"
 # The call ids Mistral's templates take: nine letters and digits.
@@ -114,10 +116,12 @@ class Tokenizer:
     @property
     def tool_call_format(self) -> str:
         """The tool-call format the chat template teaches: "hermes" (<tool_call>{...}</tool_call>,
-        as Hermes, Qwen2.5 and Qwen3 write calls), "llama3_json" (the whole reply a JSON object
-        {"name": ..., "parameters": {...}}, as Llama 3.1 to 3.3 write calls to the tools a user
-        gives), "mistral" (the special token [TOOL_CALLS], then a JSON array of {"name": ...,
-        "arguments": {...}} calls, as Mistral's models write them), or "" when it teaches none."""
+        as Hermes, Qwen2.5 and Qwen3 write calls), "qwen3_xml" (<tool_call> blocks of
+        <function=NAME> and <parameter=KEY> tags, as Qwen3-Coder writes calls), "llama3_json" (the
+        whole reply a JSON object {"name": ..., "parameters": {...}}, as Llama 3.1 to 3.3 write
+        calls to the tools a user gives), "mistral" (the special token [TOOL_CALLS], then a JSON
+        array of {"name": ..., "arguments": {...}} calls, as Mistral's models write them), or ""
+        when it teaches none."""
         return self._tool_call_format
 
     @property
@@ -149,6 +153,8 @@ class Tokenizer:
     def _tool_calls(self) -> tuple[str, int | None]:
         """(tool_call_format, tool_call_token_id), read from the template and the vocabulary."""
         source = self._template_source or ""
+        if all(tag in source for tag in QWEN3_XML_TAGS):  # before Hermes': its blocks are <tool_call> too
+            return "qwen3_xml", None
         if "<tool_call>" in source:
             return "hermes", None
         if LLAMA3_JSON_INSTRUCTION in source:

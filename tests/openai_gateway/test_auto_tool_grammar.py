@@ -2,8 +2,9 @@
 <tool_call> block the model opens to a call of one of the tools, with arguments of that tool's
 schema, and leaves the text outside blocks free. Checked with the worker's own grammar engine
 (Grammars: llguidance on the default model's tokenizer): the texts it takes and refuses, and what
-decoding under its masks writes once a block is open. The same for Llama 3's JSON replies and
-Mistral's [TOOL_CALLS] arrays (on the default vocabulary with that special token in it)."""
+decoding under its masks writes once a block is open. The same for Qwen3-Coder's XML blocks,
+Llama 3's JSON replies and Mistral's [TOOL_CALLS] arrays (on the default vocabulary with that
+special token in it)."""
 
 import json
 from pathlib import Path
@@ -17,7 +18,7 @@ from inference_service.engine.grammars import Grammars, mask_rows
 from inference_service.sampling import Structured
 from openai_gateway.constraints import constraint
 from openai_gateway.protocol import ChatCompletionRequest
-from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, MistralCalls, whole_calls
+from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, MistralCalls, XmlCalls, whole_calls
 from tests.conftest import MISTRAL_CALLS_ID, with_mistral_calls_token
 
 from .test_auto_tool_calls import WEATHER
@@ -30,10 +31,12 @@ SCHEMAS = {
 }
 
 
-def request(parallel: bool = True, **more) -> ChatCompletionRequest:
+def request(
+    parallel: bool = True, tools: tuple[dict, ...] = (WEATHER, CLOCK), **more
+) -> ChatCompletionRequest:
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     return ChatCompletionRequest(
-        model="m", messages=messages, tools=[WEATHER, CLOCK], parallel_tool_calls=parallel, **more
+        model="m", messages=messages, tools=list(tools), parallel_tool_calls=parallel, **more
     )
 
 
@@ -99,6 +102,93 @@ def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammar
     jsonschema.validate(arguments, SCHEMAS[name])
     after = written.split("</tool_call>", 1)[1]  # what the tag's last token brought past it
     assert parsed.content == "Sure. " + (after if after.strip() else "")
+
+
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+NOTED = {  # a tool with a text argument, an optional number and a boolean
+    "type": "function",
+    "function": {
+        "name": "note",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "text": {"type": "string"},
+                "weight": {"type": "number"},
+                "pinned": {"type": "boolean"},
+                "tag": {"type": ["string", "null"]},
+            },
+            "required": ["text"],
+        },
+    },
+}
+
+
+def xml_takes(grammars: Grammars, text_tokenizer: Tokenizer, parallel: bool, text: str) -> bool:
+    sent = constraint(request(parallel, tools=[WEATHER, CLOCK, NOTED]), tool_format="qwen3_xml")
+    m = grammars.matcher(Structured("grammar", sent["grammar"]))
+    ids = text_tokenizer.encode(text, add_special_tokens=False).ids
+    return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
+
+
+def note(body: str) -> str:
+    return f"<tool_call>\n<function=note>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(
+    "text, taken_when_parallel, taken_alone",
+    [
+        ("No call is needed.", True, True),
+        ("Sure. " + XML_CALL, True, True),
+        ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>", True, True),
+        (note("<parameter=text>\ntwo\nlines < and </param\n</parameter>\n"), True, True),
+        (note("<parameter=text>\nx\n</parameter>\n<parameter=weight>\n2.5\n</parameter>\n"), True, True),
+        (note("<parameter=text>\nx\n</parameter>\n<parameter=pinned>\nTrue\n</parameter>\n"), True, True),
+        (note("<parameter=text>\nx\n</parameter>\n<parameter=pinned>\nyes\n</parameter>\n"), False, False),
+        (note("<parameter=text>\nx\n</parameter>\n<parameter=tag>\nnull\n</parameter>\n"), True, True),
+        (note("<parameter=text>\nx\n</parameter>\n<parameter=tag>\n[1]\n</parameter>\n"), True, True),
+        (note("<parameter=weight>\n2.5\n</parameter>\n"), False, False),  # text is required
+        (note("<parameter=weight>\n1\n</parameter>\n<parameter=text>\nx\n</parameter>\n"), False, False),
+        (note("<parameter=text>\nx\n</parameter>\n<parameter=weight>\nheavy\n</parameter>\n"), False, False),
+        (XML_CALL + "\n" + XML_CALL, True, False),  # two calls: parallel_tool_calls false takes one
+        (XML_CALL.replace("\n3\n", "\n9\n"), False, False),  # past the schema's maximum
+        (XML_CALL.replace("Paris", "Oslo"), False, False),  # outside the enum
+        (XML_CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
+        (XML_CALL.replace("=days", "=hours"), False, False),  # no such parameter
+    ],
+)
+def test_xml_grammar_takes_free_text_and_calls_of_the_tools_only(
+    grammars, text_tokenizer, parallel, text, taken_when_parallel, taken_alone
+):
+    assert xml_takes(grammars, text_tokenizer, parallel, text) == (
+        taken_when_parallel if parallel else taken_alone
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decoding_under_xml_masks_writes_a_valid_call_once_a_block_opens(grammars, text_tokenizer, seed):
+    """Random logits after <tool_call>: the masks leave only a call of one of the tools whose
+    values the gateway reads into arguments of its schema (tools without free text, which random
+    logits would write on and on)."""
+    sent = constraint(request(True), tool_format="qwen3_xml")
+    m = grammars.matcher(Structured("grammar", sent["grammar"]))
+    text = "<tool_call>"
+    assert m.consume_tokens(text_tokenizer.encode(text, add_special_tokens=False).ids)
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    while "</tool_call>" not in text_tokenizer.decode(ids) and len(ids) < 300:
+        logits = torch.randn(1, text_tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
+        token = int(mask_rows(logits, [m]).argmax())
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+    parser = XmlCalls(SCHEMAS)
+    parsed = parser.feed(text + text_tokenizer.decode(ids))
+    parsed += parser.end()
+    [call] = whole_calls(parsed.calls)
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
 
 
 def decoded_to_the_end(m, vocab_size: int, seed: int) -> list[int]:

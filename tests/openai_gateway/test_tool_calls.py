@@ -2,8 +2,10 @@
 brings the text in, the calls and content sent add up to what the whole text gives; Hermes blocks
 become calls, text around them content, and what is not a call stays text; a Llama 3 reply that
 is JSON calls becomes calls, any other reply content; after Mistral's [TOOL_CALLS] a JSON array of
-calls becomes calls, the text before it content."""
+calls becomes calls, the text before it content; Qwen3-Coder's XML blocks become calls, their
+values read by the tools' schemas."""
 
+import functools
 import itertools
 import json
 
@@ -20,6 +22,7 @@ from openai_gateway.tool_calls import (
     MistralCalls,
     NamedCall,
     Parsed,
+    XmlCalls,
     parser_for,
     whole_calls,
 )
@@ -76,6 +79,65 @@ MISTRAL_REPLIES = {
     "nested past the recursion limit": (
         "[TOOL_CALLS]" + "[" * 5000 + "]" * 5000,
         "[TOOL_CALLS]" + "[" * 5000 + "]" * 5000,
+        [],
+    ),
+}
+
+# The tools' parameter schemas XML values are read by.
+XML_SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "hot": {"type": "boolean"},
+            "stops": {"type": ["array", "null"]},
+        },
+    },
+    "note": {"type": "object", "properties": {"text": {"type": ["string", "null"]}}},
+}
+XML = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+    "{more}</function>\n</tool_call>"
+)
+NOTE = "<tool_call>\n<function=note>\n<parameter=text>\nline one\n</parameter>\n</function>\n</tool_call>"
+# A reply, the content it gives, and the calls (name, arguments).
+XML_REPLIES = {
+    "a call, text before it": (
+        "Let me check.\n" + XML.format(city="Paris", more="<parameter=days>\n3\n</parameter>\n"),
+        "Let me check.\n",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    "values by their schema": (
+        XML.format(
+            city="12",  # a string, though it reads as JSON
+            more='<parameter=hot>\nTrue\n</parameter>\n<parameter=stops>\n["Lyon"]\n</parameter>\n',
+        )
+        + "\n"
+        + NOTE,
+        "",
+        [("get_weather", {"city": "12", "hot": True, "stops": ["Lyon"]}), ("note", {"text": "line one"})],
+    ),
+    "null where the schema allows it": (
+        NOTE.replace("line one", "null"),
+        "",
+        [("note", {"text": None})],
+    ),
+    "a value that is not JSON, of an unknown tool": (
+        "<tool_call>\n<function=other>\n<parameter=x>\nnot json\n</parameter>\n</function>\n</tool_call>",
+        "",
+        [("other", {"x": "not json"})],
+    ),
+    "text only": ("No <b>call</b> needed.", "No <b>call</b> needed.", []),
+    "a block without a function": ("<tool_call>\nhi\n</tool_call>", "<tool_call>\nhi\n</tool_call>", []),
+    "text between parameters": (
+        XML.format(city="Rome", more="stray\n<parameter=days>\n3\n</parameter>\n"),
+        XML.format(city="Rome", more="stray\n<parameter=days>\n3\n</parameter>\n"),
+        [],
+    ),
+    "text after the parameters": (
+        XML.format(city="Rome", more="stray\n"),
+        XML.format(city="Rome", more="stray\n"),
         [],
     ),
 }
@@ -167,17 +229,20 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     assert _calls(first + second) == [("get_weather", {"city": "Rome"})]
 
 
-# The formats whose replies are read with the calls sent at the reply's end: each parser, with
-# the replies above, their content and their calls.
-REPLY_CASES = [(JsonReplyCalls, LLAMA_REPLIES[case]) for case in LLAMA_REPLIES] + [
-    (MistralCalls, MISTRAL_REPLIES[case]) for case in MISTRAL_REPLIES
-]
+# Each parser, with the replies above, their content and their calls.
+REPLY_CASES = (
+    [(JsonReplyCalls, LLAMA_REPLIES[case]) for case in LLAMA_REPLIES]
+    + [(MistralCalls, MISTRAL_REPLIES[case]) for case in MISTRAL_REPLIES]
+    + [(functools.partial(XmlCalls, XML_SCHEMAS), XML_REPLIES[case]) for case in XML_REPLIES]
+)
 
 
 @pytest.mark.parametrize(
     "parser, reply",
     REPLY_CASES,
-    ids=[f"llama: {case}" for case in LLAMA_REPLIES] + [f"mistral: {case}" for case in MISTRAL_REPLIES],
+    ids=[f"llama: {case}" for case in LLAMA_REPLIES]
+    + [f"mistral: {case}" for case in MISTRAL_REPLIES]
+    + [f"xml: {case}" for case in XML_REPLIES],
 )
 @given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
 def test_a_reply_is_calls_or_content_in_any_pieces(parser, reply, cuts):
@@ -206,12 +271,14 @@ def test_mistral_text_streams_as_it_comes_and_a_call_token_is_held_until_known()
 
 def test_auto_needs_a_template_that_teaches_a_format_and_the_others_do_not():
     with pytest.raises(ApiError, match="teaches it no tool-call format") as raised:
-        parser_for("auto", "")
+        parser_for("auto", "", {})
     assert raised.value.param == "tool_choice"
-    assert parser_for("auto", "hermes") is HermesCalls
-    assert parser_for("auto", "llama3_json") is JsonReplyCalls
-    assert parser_for("auto", "mistral") is MistralCalls
-    assert parser_for("required", "") is CallList
-    assert parser_for("none", "hermes") is None
-    named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "")
+    assert parser_for("auto", "hermes", {}) is HermesCalls
+    assert parser_for("auto", "llama3_json", {}) is JsonReplyCalls
+    assert parser_for("auto", "mistral", {}) is MistralCalls
+    xml = parser_for("auto", "qwen3_xml", XML_SCHEMAS)()
+    assert isinstance(xml, XmlCalls) and _calls(_whole(xml, XML_REPLIES["values by their schema"][0]))
+    assert parser_for("required", "", {}) is CallList
+    assert parser_for("none", "hermes", {}) is None
+    named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "", {})
     assert isinstance(named(), NamedCall)

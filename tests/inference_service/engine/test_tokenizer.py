@@ -227,10 +227,15 @@ TOOL_CHAT = [
 ]
 
 
-# Test templates in the style of two families': the format each teaches, what shows the tools
+# Test templates in the style of three families': the format each teaches, what shows the tools
 # are there, and how an earlier call renders.
 TOOL_TEMPLATES = {
     "hermes_chat_template.jinja": ("hermes", "<tools>", '"arguments": {"city": "Zürich"}'),
+    "qwen3_xml_chat_template.jinja": (
+        "qwen3_xml",
+        "<tools>",
+        "<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n</function>",
+    ),
     "llama3_chat_template.jinja": (
         "llama3_json",
         "Given the following functions",
