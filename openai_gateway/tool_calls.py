@@ -39,9 +39,9 @@ from .protocol import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
-# Qwen3-Coder's block: <function=NAME> and the parameters, each <parameter=KEY>\nVALUE\n</parameter>.
+# Qwen3-Coder's block: <function=NAME> and its parameters, each <parameter=KEY>\nVALUE\n</parameter>.
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
-XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+XML_PARAMETER, XML_PARAMETER_END = "<parameter=", "</parameter>"
 WHITESPACE = re.compile(r"\s*")
 
 
@@ -239,15 +239,8 @@ class XmlCalls(HermesCalls):
         if function is None:
             return None
         name, body = function[1], function[2]
-        properties = self._schemas.get(name, {}).get("properties", {})
-        arguments, at = {}, 0
-        for parameter in XML_PARAMETER.finditer(body):
-            if body[at : parameter.start()].strip():
-                return None
-            key = parameter[1]
-            arguments[key] = _xml_value(parameter[2], properties.get(key, {}))
-            at = parameter.end()
-        return None if body[at:].strip() else (name, _compact(arguments))
+        arguments = _xml_arguments(body, self._schemas.get(name, {}).get("properties", {}))
+        return None if arguments is None else (name, _compact(arguments))
 
 
 class JsonReplyCalls(ToolCallParser):
@@ -303,6 +296,23 @@ class MistralCalls(ToolCallParser):
             return Parsed(calls=[self._call(*call) for call in calls])
         text = MISTRAL_CALLS + held if self._in_calls else held
         return Parsed(content=text) if text else Parsed()
+
+
+def _xml_arguments(body: str, properties: dict) -> dict | None:
+    """The arguments a function's parameters are, <parameter=KEY>\\nVALUE\\n</parameter> one after
+    another with only space around them; None where the body is anything else. Each search starts
+    where the last ended: linear in the body, however a model writes it."""
+    arguments, at = {}, 0
+    while (start := body.find(XML_PARAMETER, at)) >= 0:
+        named = body.find(">", start)
+        end = body.find(XML_PARAMETER_END, named)
+        key = body[start + len(XML_PARAMETER) : named]
+        if body[at:start].strip() or named < 0 or end < 0 or not key or "\n" in key:
+            return None
+        value = body[named + 1 : end].removeprefix("\n").removesuffix("\n")
+        arguments[key] = _xml_value(value, properties.get(key, {}))
+        at = end + len(XML_PARAMETER_END)
+    return None if body[at:].strip() else arguments
 
 
 def _xml_value(text: str, schema: dict) -> object:

@@ -135,6 +135,21 @@ XML_REPLIES = {
         XML.format(city="Rome", more="stray\n<parameter=days>\n3\n</parameter>\n"),
         [],
     ),
+    "parameters never closed": (
+        "<tool_call>\n<function=f>\n" + "<parameter=a>\nx\n" * 500 + "</function>\n</tool_call>",
+        "<tool_call>\n<function=f>\n" + "<parameter=a>\nx\n" * 500 + "</function>\n</tool_call>",
+        [],
+    ),
+    "the last parameter unclosed": (
+        XML.format(city="Rome", more="<parameter=days>\n3\n"),
+        XML.format(city="Rome", more="<parameter=days>\n3\n"),
+        [],
+    ),
+    "a parameter without a name": (
+        XML.format(city="Rome", more="<parameter=>\n3\n</parameter>\n"),
+        XML.format(city="Rome", more="<parameter=>\n3\n</parameter>\n"),
+        [],
+    ),
     "text after the parameters": (
         XML.format(city="Rome", more="stray\n"),
         XML.format(city="Rome", more="stray\n"),
