@@ -253,7 +253,7 @@ class JsonReplyCalls(ToolCallParser):
         if self._is_calls is False:
             return Parsed(content=text)
         self._held += text
-        if self._is_calls is None and (opening := self._held.lstrip()):
+        if self._is_calls is None and (opening := text.lstrip()):  # what is held before it is space
             self._is_calls = opening.startswith("{")
             if not self._is_calls:
                 held, self._held = self._held, ""
