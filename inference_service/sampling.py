@@ -20,6 +20,8 @@ MAX_STOP_CHARS = 256
 # Each generated token is looked up in stop_token_ids; 64 ids hold every end-of-turn token of any
 # tokenizer with room to spare.
 MAX_STOP_TOKEN_IDS = 64
+# Tokens one request may bias: a classifier's labels or a list of banned words, not the vocabulary.
+MAX_LOGIT_BIAS = 1024
 # A constraint is compiled when its request is submitted: its text and its choices are bounded.
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CHOICES = 256
@@ -79,6 +81,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
     repetition_penalty: float = 1.0  # applies to every token of the prompt and the output so far
+    presence_penalty: float = 0.0  # subtracted from the logit of each token in the output so far
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it is in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), before any penalty
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -89,6 +94,11 @@ class SamplingParams:
     def __post_init__(self):
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "logit_bias", _as_tuple(self.logit_bias, "logit_bias"))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                f"sampling parameter logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}"
+            )
         _check_stop_sizes(self.stop, self.stop_token_ids)
         for name, (valid, allowed) in _CHECKS.items():
             value = getattr(self, name)
@@ -104,6 +114,12 @@ _CHECKS = {  # field: (is the value valid, what is allowed)
     "top_p": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
     "min_p": (lambda v: _is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "repetition_penalty": (lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    "presence_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "logit_bias": (
+        lambda v: all(_is_bias(pair) for pair in v) and len({token for token, _ in v}) == len(v),
+        "(token id >= 0, bias in [-100, 100]) pairs, each token once",
+    ),
     "seed": (lambda v: v is None or (_is_int(v) and 0 <= v < 2**64), "None or an integer in [0, 2**64)"),
     "stop": (lambda v: all(isinstance(s, str) and s for s in v), "a list of non-empty strings"),
     "stop_token_ids": (lambda v: all(_is_int(i) and i >= 0 for i in v), "a list of integers >= 0"),
@@ -111,6 +127,17 @@ _CHECKS = {  # field: (is the value valid, what is allowed)
     "logprobs": (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in 0..{MAX_LOGPROBS}"),
     "structured": (lambda v: v is None or isinstance(v, Structured), "None or a Structured"),
 }
+
+
+def _is_bias(pair: object) -> bool:
+    return (
+        isinstance(pair, tuple | list)
+        and len(pair) == 2
+        and _is_int(pair[0])
+        and pair[0] >= 0
+        and _is_real(pair[1])
+        and -100 <= pair[1] <= 100
+    )
 
 
 def _as_tuple(value: object, name: str) -> tuple:

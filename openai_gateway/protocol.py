@@ -15,14 +15,13 @@ from .config import MAX_N
 from .errors import ApiError, invalid_body
 
 MAX_LOGPROBS = 20  # the worker's bound on alternatives per token
+MAX_LOGIT_BIAS = 1024  # the worker's bound on the tokens one request may bias
 MAX_TOOLS = 128  # OpenAI's bound on the functions one request may offer
 INT32_MAX = (1 << 31) - 1  # token ids, max_tokens and top_k are int32 in the worker's proto
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Bias = Annotated[float, Field(ge=-100, le=100)]  # added to a token's logit
 # OpenAI parameters that are accepted only at a value that changes nothing.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "functions": (None, []),  # deprecated by OpenAI for `tools`
     "function_call": (None, "none"),
     "service_tier": (None, "auto", "default"),
@@ -116,6 +115,10 @@ class Sampling(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    # token id (a string key in JSON) -> bias; the worker refuses ids past its vocabulary
+    logit_bias: Annotated[dict[TokenId, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     stop: str | list[str] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
@@ -177,6 +180,9 @@ class Sampling(BaseModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,

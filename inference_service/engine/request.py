@@ -33,6 +33,9 @@ class Request:
             raise InvalidArgument(
                 "structured outputs need a tokenizer; this model folder has no tokenizer.json"
             )
+        biased = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+        if biased is not None:
+            raise InvalidArgument(f"logit_bias token id {biased} is outside the vocabulary [0, {vocab_size})")
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")

@@ -1,13 +1,16 @@
 """The batched sampler: turns one step's logits into one token per row, as each row's
 SamplingParams ask.
 
-Semantics (matching transformers' logits processors where they overlap): repetition penalty
-(`RepetitionPenaltyLogitsProcessor`) → temperature 0 is greedy argmax, else divide by temperature
-→ top-k → top-p → min-p → draw. A seeded request draws with its own `torch.Generator`, so its
+Semantics (matching transformers' logits processors where they overlap, and vLLM's order): logit
+bias (added) → repetition penalty (`RepetitionPenaltyLogitsProcessor`) → presence and frequency
+penalties (OpenAI's: subtracted once for a token in the output so far, and once per time it is
+there) → temperature 0 is greedy argmax, else divide by temperature → top-k → top-p → min-p →
+draw. A seeded request draws with its own `torch.Generator`, so its
 tokens depend only on its seed and its own logits, never on what else shares the batch.
 """
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +56,10 @@ class SamplingBatch:
     penalty_rows: torch.Tensor | None  # [p] rows with repetition_penalty != 1; None when no row has one
     penalty: torch.Tensor | None  # [p]
     seen_tokens: torch.Tensor | None  # [p, longest history] padded by repeating the row's first token
+    bias: "SparseRows | None"  # each row's logit_bias; None when no row has one
+    counted: "SparseRows | None"  # each penalized row's output tokens, weight 1 each
+    presence: torch.Tensor | None  # [c] of the counted rows
+    frequency: torch.Tensor | None  # [c]
     logprob_rows: list[int]  # rows that asked for logprobs
     num_logprobs: list[int]  # per logprob row
 
@@ -62,27 +69,28 @@ class SamplingBatch:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         token_histories: list[list[int]],
+        outputs: list[list[int]],
         device: torch.device | str,
     ) -> "SamplingBatch":
         """`generators[i]` (on `device`) is row i's own generator if its request is seeded, else None;
-        `token_histories[i]` is its prompt + output so far (read only for repetition penalties)."""
+        `token_histories[i]` is its prompt + output so far (read only for repetition penalties),
+        `outputs[i]` its output so far (read only for presence and frequency penalties)."""
         sampled = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         sp = [params[i] for i in sampled]
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
         return cls(
             sample_rows=torch.tensor(sampled, dtype=torch.int64, device=device),
-            temperature=floats([p.temperature for p in sp]),
+            temperature=_floats([p.temperature for p in sp], device),
             top_k=torch.tensor([p.top_k for p in sp], dtype=torch.int64, device=device),
-            top_p_rest=floats([1 - p.top_p for p in sp]),
-            min_p=floats([p.min_p for p in sp]),
+            top_p_rest=_floats([1 - p.top_p for p in sp], device),
+            min_p=_floats([p.min_p for p in sp], device),
             do_top_k=any(p.top_k > 0 for p in sp),
             do_top_p=any(p.top_p < 1 for p in sp),
             do_min_p=any(p.min_p > 0 for p in sp),
             seeded=[(j, generators[i]) for j, i in enumerate(sampled) if generators[i] is not None],
             **_penalty_fields(params, token_histories, device),
+            **_count_fields(params, outputs, device),
+            bias=SparseRows.of({i: dict(p.logit_bias) for i, p in enumerate(params) if p.logit_bias}, device),
             logprob_rows=[i for i, p in enumerate(params) if p.logprobs > 0],
             num_logprobs=[p.logprobs for p in params if p.logprobs > 0],
         )
@@ -106,6 +114,52 @@ def _penalty_fields(
     }
 
 
+def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """Values at a few token ids of some rows, padded to one width with (id 0, value 0): added to
+    those rows' [vocab] entries with scatter_add, the padding adds nothing."""
+
+    rows: torch.Tensor  # [r]
+    ids: torch.Tensor  # [r, widest] int64
+    values: torch.Tensor  # [r, widest]
+
+    @classmethod
+    def of(cls, entries: dict[int, dict[int, float]], device: torch.device | str) -> "SparseRows | None":
+        """{row: {token id: value}}; None when no row has an entry."""
+        if not entries:
+            return None
+        width = max(len(e) for e in entries.values())
+        ids = [list(e) + [0] * (width - len(e)) for e in entries.values()]
+        values = [list(e.values()) + [0.0] * (width - len(e)) for e in entries.values()]
+        return cls(
+            rows=torch.tensor(list(entries), dtype=torch.int64, device=device),
+            ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            values=torch.tensor(values, dtype=torch.float32, device=device),
+        )
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        """[r, vocab]: each row's values summed at their ids."""
+        out = torch.zeros(len(self.rows), vocab, dtype=torch.float32, device=self.rows.device)
+        return out.scatter_add_(1, self.ids, self.values)
+
+
+def _count_fields(
+    params: list[SamplingParams], outputs: list[list[int]], device: torch.device | str
+) -> dict[str, object]:
+    rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
+    if not rows:
+        return {"counted": None, "presence": None, "frequency": None}
+    return {
+        "counted": SparseRows.of({i: Counter(outputs[i]) for i in rows}, device),
+        "presence": _floats([params[i].presence_penalty for i in rows], device),
+        "frequency": _floats([params[i].frequency_penalty for i in rows], device),
+    }
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Semantics: token[r] = argmax(penalized logits[r]) if temperature[r] < GREEDY_BELOW, else a draw from
     softmax(penalized logits[r] / temperature[r]) restricted by top-k, top-p and min-p.
@@ -115,7 +169,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     already masked (engine/grammars.py), so its logprobs are of the tokens its constraint allows.
     `logits` is left unchanged.
     """
-    scores = _apply_penalty(logits, batch) if batch.penalty_rows is not None else logits  # [rows, vocab]
+    scores = _adjusted(logits, batch)  # [rows, vocab]
     token_ids = greedy_tokens(scores)  # [rows]; sampled rows overwrite theirs below
     if batch.sample_rows.numel():
         probs = _filtered_probs(scores[batch.sample_rows], batch)  # [s, vocab]
@@ -143,13 +197,25 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     return starts + scores.gather(1, columns).argmax(dim=-1)
 
 
-def _apply_penalty(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    rows = logits[batch.penalty_rows]  # [p, vocab]
-    seen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, batch.seen_tokens, True)  # [p, vocab]
-    penalty = batch.penalty[:, None]  # [p, 1]
-    penalized = torch.where(rows > 0, rows / penalty, rows * penalty)  # [p, vocab]
+def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits with each row's bias and penalties, in vLLM's order; `logits` itself where no
+    row has any, else a copy."""
+    if batch.bias is None and batch.penalty_rows is None and batch.counted is None:
+        return logits
     out = logits.clone()  # [rows, vocab]
-    out[batch.penalty_rows] = torch.where(seen, penalized, rows)
+    vocab = logits.shape[-1]
+    if batch.bias is not None:
+        out[batch.bias.rows] += batch.bias.dense(vocab)
+    if batch.penalty_rows is not None:
+        rows = out[batch.penalty_rows]  # [p, vocab]
+        seen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, batch.seen_tokens, True)  # [p, vocab]
+        penalty = batch.penalty[:, None]  # [p, 1]
+        penalized = torch.where(rows > 0, rows / penalty, rows * penalty)  # [p, vocab]
+        out[batch.penalty_rows] = torch.where(seen, penalized, rows)
+    if batch.counted is not None:
+        counts = batch.counted.dense(vocab)  # [c, vocab]
+        penalties = batch.frequency[:, None] * counts + batch.presence[:, None] * (counts > 0)  # [c, vocab]
+        out[batch.counted.rows] -= penalties
     return out
 
 

@@ -14,7 +14,17 @@ from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 
 MAX_TOOLS = 128  # OpenAI's bound on the functions one request may offer
 MAX_REQUEST_ID_CHARS = 256  # a label for the caller's logs; longer than any id scheme writes
-OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "stop": pb.FINISH_REASON_STOP,
@@ -148,6 +158,7 @@ def sampling(message: pb.SamplingParams) -> SamplingParams:
         **given,
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
+        logit_bias=tuple(sorted(message.logit_bias.items())),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
         structured=structured(message),

@@ -9,13 +9,20 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
 from inference_service.engine.sampler import ARGMAX_CHUNK, SamplingBatch, generator_for, greedy_tokens, sample
-from inference_service.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from inference_service.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from shared.errors import InvalidArgument
 
 INVALID = [
@@ -40,6 +47,18 @@ INVALID = [
     ("repetition_penalty", -1.2),
     ("repetition_penalty", math.inf),
     ("repetition_penalty", math.nan),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", math.nan),
+    ("frequency_penalty", -2.01),
+    ("frequency_penalty", math.inf),
+    ("logit_bias", {5: 1.0}),  # pairs, as the worker's convert gives them
+    ("logit_bias", [(5, 100.5)]),
+    ("logit_bias", [(-1, 1.0)]),
+    ("logit_bias", [(5, math.nan)]),
+    ("logit_bias", [(5.0, 1.0)]),
+    ("logit_bias", [(5, 1.0, 2.0)]),
+    ("logit_bias", [(5, 1.0), (5, -1.0)]),
+    ("logit_bias", [(i, 1.0) for i in range(MAX_LOGIT_BIAS + 1)]),
     ("seed", -1),
     ("seed", 2**64),
     ("seed", 1.5),
@@ -89,10 +108,11 @@ def test_stop_lists_are_capped_and_the_refusal_names_the_cap():
     assert len(str(e.value)) < 300
 
 
-def _sample(logits, params, histories=None, generators=None):
+def _sample(logits, params, histories=None, generators=None, outputs=None):
     histories = histories or [[] for _ in params]
     generators = generators or [None] * len(params)
-    return sample(logits, SamplingBatch.build(params, generators, histories, logits.device))
+    outputs = outputs or [[] for _ in params]
+    return sample(logits, SamplingBatch.build(params, generators, histories, outputs, logits.device))
 
 
 @pytest.mark.parametrize(
@@ -148,6 +168,98 @@ def test_repetition_penalized_greedy_choice_equals_transformers():
     assert got == expected
     assert got != logits.argmax(dim=-1).tolist()  # the penalty mattered somewhere
     assert torch.equal(logits, before)
+
+
+def test_logit_bias_then_repetition_penalty_chooses_as_transformers_does():
+    """Each row's bias, then its repetition penalty (vLLM's order), against transformers'
+    SequenceBiasLogitsProcessor (one-token sequences) and RepetitionPenaltyLogitsProcessor."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 40, generator=g) * 3  # [rows, vocab]
+    favourites = logits.argmax(dim=-1).tolist()
+    biases = [
+        {},
+        {favourites[1]: -100.0},  # banned
+        {7: 100.0},  # forced
+        {3: 2.5, 9: -1.0, favourites[3]: -2.0},
+        {favourites[4]: -0.5},
+        {11: 4.0},
+        {favourites[6]: 1.0, 0: 6.0},
+        {5: -3.0},
+    ]
+    penalties = [1.0, 1.0, 1.0, 1.3, 2.0, 1.0, 0.5, 1.7]
+    histories = [[favourites[r], 11, 0] for r in range(8)]
+    params = [
+        SamplingParams(temperature=0, logit_bias=list(b.items()), repetition_penalty=p)
+        for b, p in zip(biases, penalties, strict=True)
+    ]
+    got = _sample(logits, params, histories).token_ids
+    expected = []
+    for r, (bias, penalty) in enumerate(zip(biases, penalties, strict=True)):
+        chain = [SequenceBiasLogitsProcessor({(t,): v for t, v in bias.items()})] if bias else []
+        chain.append(RepetitionPenaltyLogitsProcessor(penalty))
+        scores = LogitsProcessorList(chain)(torch.tensor([histories[r]]), logits[r : r + 1].clone())
+        expected.append(int(scores.argmax()))
+    assert got == expected
+    assert got[1] != favourites[1] and got[2] == 7
+    assert sum(a != b for a, b in zip(got, favourites, strict=True)) >= 4  # the bias mattered
+
+
+def test_the_bias_comes_before_the_repetition_penalty():
+    """Token 0 (3.0, seen, bias -1, penalty 2): (3 - 1) / 2 = 1.0 beats token 1's 0.8 in vLLM's
+    order; biased after the penalty it would be 3 / 2 - 1 = 0.5, and lose."""
+    logits = torch.tensor([[3.0, 0.8, -5.0, -5.0]])  # [1, vocab]
+    params = SamplingParams(temperature=0, logit_bias=[(0, -1.0)], repetition_penalty=2.0)
+    assert _sample(logits, [params], histories=[[0]]).token_ids == [0]
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    """OpenAI's documented penalty: logit[j] - count[j] * frequency - (count[j] > 0) * presence,
+    count[j] the times token j is in the output so far (not the prompt), computed here per entry."""
+    g = torch.Generator().manual_seed(4)
+    rows, vocab = 16, 30
+    logits = torch.randn(rows, vocab, generator=g)  # [rows, vocab]
+    favourites = logits.argmax(dim=-1).tolist()
+    outputs = [
+        [favourites[r]] * (r % 4) + torch.randint(0, vocab, (r,), generator=g).tolist() for r in range(rows)
+    ]
+    presence = [((r * 7) % 9 - 4) / 2 for r in range(rows)]  # -2 .. 2
+    frequency = [((r * 5) % 9 - 4) / 2 for r in range(rows)]
+    params = [
+        SamplingParams(temperature=0, presence_penalty=p, frequency_penalty=f)
+        for p, f in zip(presence, frequency, strict=True)
+    ]
+    prompts = [[favourites[r]] * 5 for r in range(rows)]  # the prompt counts for nothing
+    got = _sample(logits, params, histories=prompts, outputs=outputs).token_ids
+    expected = []
+    for r in range(rows):
+        scores = [
+            float(logits[r, j]) - outputs[r].count(j) * frequency[r] - (j in outputs[r]) * presence[r]
+            for j in range(vocab)
+        ]
+        expected.append(max(range(vocab), key=scores.__getitem__))
+    assert got == expected
+    assert sum(a != b for a, b in zip(got, favourites, strict=True)) >= 4  # the penalties mattered
+
+
+def test_penalties_draw_from_the_penalized_distribution():
+    """A sampled row draws from softmax of its biased and penalized logits: token frequencies
+    over many seeded draws match them (the same check as the filters', below)."""
+    vocab, draws = 6, 4000
+    scores = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5])  # [vocab]
+    params = SamplingParams(
+        temperature=1.0, logit_bias=[(5, 2.5)], presence_penalty=0.5, frequency_penalty=0.75, seed=1
+    )
+    output = [0, 0, 1]
+    target = scores.clone()
+    target[5] += 2.5
+    target[0] -= 2 * 0.75 + 0.5
+    target[1] -= 0.75 + 0.5
+    generator = generator_for(params, "cpu")
+    logits = scores.expand(draws, vocab).contiguous()  # [draws, vocab]
+    got = _sample(logits, [params] * draws, generators=[generator] * draws, outputs=[output] * draws)
+    observed = torch.bincount(torch.tensor(got.token_ids), minlength=vocab) / draws  # [vocab]
+    expected = target.softmax(dim=-1)  # [vocab]
+    assert torch.allclose(observed, expected, atol=4 * (0.25 / draws) ** 0.5)
 
 
 # (params, history): every row of a config in one batch, each config with its own filters.

@@ -182,3 +182,33 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client):
     again = client.completions.create(model=ADAPTERS[1], prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert 0 < again.usage.prompt_tokens_details.cached_tokens < 80
+
+
+def test_logit_bias_bans_and_forces_tokens_as_the_sdk_does(client, sdk):
+    """OpenAI's logit_bias (token ids as string keys): -100 bans the token greedy decoding would
+    take, +100 makes every step take one token; each equals the SDK's request with the same bias."""
+    adapter, ask = ADAPTERS[0], dict(prompt=PROMPT, max_tokens=6, temperature=0)
+    first = sdk.complete(adapter=adapter, **ask).token_ids[0]
+    for bias, check in (
+        ({first: -100}, lambda ids: first not in ids),
+        ({17: 100}, lambda ids: ids == [17] * 6),
+    ):
+        expected = sdk.complete(adapter=adapter, logit_bias=bias, **ask)
+        got = client.completions.create(
+            model=adapter, logit_bias={str(t): b for t, b in bias.items()}, **ask
+        ).choices[0]
+        assert got.text == expected.text and check(expected.token_ids), (bias, expected.token_ids)
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_presence_and_frequency_penalties_turn_a_repeating_text_as_the_sdk_does(
+    client, sdk, base_name, penalty
+):
+    """A penalty on what the output holds so far turns greedy decoding from repeating it, the same
+    through the gateway as through the SDK."""
+    ask = dict(prompt=PROMPT, max_tokens=16, temperature=0)
+    plain = sdk.complete(**ask)
+    assert len(set(plain.token_ids)) < len(plain.token_ids)  # greedy repeats itself here
+    expected = sdk.complete(**ask, **{penalty: 2.0})
+    got = client.completions.create(model=base_name, **ask, **{penalty: 2.0}).choices[0]
+    assert got.text == expected.text and expected.token_ids != plain.token_ids

@@ -71,8 +71,12 @@ def test_an_unknown_model_is_404_in_openais_words(client):
         ({"temperature": 5}, "temperature", "less than or equal to 2"),
         ({"n": 0}, "n", "greater than or equal to 1"),
         ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "`presence_penalty` is not supported"),
-        ({"logit_bias": {"5": 10}}, "logit_bias", "`logit_bias` is not supported"),
+        ({"service_tier": "flex"}, "service_tier", "`service_tier` is not supported"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
+        ({"logit_bias": {"five": 1}}, "logit_bias.five", "valid integer"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024 items"),
         (  # the default model's template teaches no tool-call format: none to read calls in
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "tool_choice",
@@ -129,9 +133,15 @@ def test_a_prompt_of_the_wrong_type_is_400_naming_it(client):
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(client):
     reply = client.chat.completions.create(
-        model="all8", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tool_choice="none", **CHAT
+        model="all8", service_tier="auto", store=False, tool_choice="none", **CHAT
     )
     assert reply.usage.completion_tokens == 4
+
+
+def test_a_logit_bias_past_the_vocabulary_is_400_from_the_worker(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="all8", logit_bias={"4000000": 5}, **CHAT)
+    assert "logit_bias token id 4000000 is outside the vocabulary" in error_of(raised)["message"]
 
 
 def test_what_the_worker_refuses_is_400_with_its_reason(client):

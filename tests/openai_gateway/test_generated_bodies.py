@@ -86,8 +86,9 @@ SHARED = {
     "repetition_penalty": (st.floats(0.5, 2), ANY),
     "ignore_eos": (st.booleans(), ANY),
     "stop_token_ids": (st.lists(st.integers(0, 300), max_size=4), ANY | st.lists(ANY, max_size=3)),
-    "presence_penalty": (st.just(0), ANY),
-    "logit_bias": (st.just({}), ANY),
+    "presence_penalty": (st.floats(-2, 2), ANY),
+    "frequency_penalty": (st.floats(-2, 2), ANY),
+    "logit_bias": (st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=4), ANY),
     UNKNOWN: (st.nothing(), ANY),  # only ever hostile
 }
 FIELDS = {
