@@ -319,8 +319,13 @@ def _sample(seqs: list[Sequence], logits: torch.Tensor, mask_kernel: CpuTokenMas
     `mask_kernel` where there is one (mask_rows)."""
     # Only penalized rows read their history; building it costs O(length) per row.
     histories = [s.token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
-    outputs = [s.output_token_ids for s in seqs]
+    penalties = [s.penalties.row() if s.penalties is not None else None for s in seqs]
     batch = SamplingBatch.build(
-        [s.params for s in seqs], [s.generator for s in seqs], histories, outputs, logits.device
+        [s.params for s in seqs],
+        [s.generator for s in seqs],
+        histories,
+        [s.bias for s in seqs],
+        penalties,
+        logits.device,
     )
     return sample(mask_rows(logits, [s.matcher for s in seqs], mask_kernel), batch)

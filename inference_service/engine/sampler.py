@@ -10,11 +10,12 @@ tokens depend only on its seed and its own logits, never on what else shares the
 """
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from inference_service.engine.logit_adds import SparseRow
 from inference_service.sampling import GREEDY_BELOW, SamplingParams
 
 ARGMAX_CHUNK = 1024  # vocabulary entries greedy_tokens reduces with amax at once
@@ -56,10 +57,8 @@ class SamplingBatch:
     penalty_rows: torch.Tensor | None  # [p] rows with repetition_penalty != 1; None when no row has one
     penalty: torch.Tensor | None  # [p]
     seen_tokens: torch.Tensor | None  # [p, longest history] padded by repeating the row's first token
-    bias: "SparseRows | None"  # each row's logit_bias; None when no row has one
-    counted: "SparseRows | None"  # each penalized row's output tokens, weight 1 each
-    presence: torch.Tensor | None  # [c] of the counted rows
-    frequency: torch.Tensor | None  # [c]
+    bias: "SparseAdds | None"  # each row's logit_bias; None when no row has one
+    counted: "SparseAdds | None"  # presence and frequency penalties; None when no row has them
     logprob_rows: list[int]  # rows that asked for logprobs
     num_logprobs: list[int]  # per logprob row
 
@@ -69,12 +68,14 @@ class SamplingBatch:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         token_histories: list[list[int]],
-        outputs: list[list[int]],
+        biases: list[SparseRow | None],
+        penalties: list[SparseRow | None],
         device: torch.device | str,
     ) -> "SamplingBatch":
         """`generators[i]` (on `device`) is row i's own generator if its request is seeded, else None;
-        `token_histories[i]` is its prompt + output so far (read only for repetition penalties),
-        `outputs[i]` its output so far (read only for presence and frequency penalties)."""
+        `token_histories[i]` is its prompt + output so far (read only for repetition penalties);
+        `biases[i]` its logit bias and `penalties[i]` its presence and frequency penalties as they
+        stand (engine/logit_adds.py), None where it has none."""
         sampled = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         sp = [params[i] for i in sampled]
 
@@ -89,8 +90,8 @@ class SamplingBatch:
             do_min_p=any(p.min_p > 0 for p in sp),
             seeded=[(j, generators[i]) for j, i in enumerate(sampled) if generators[i] is not None],
             **_penalty_fields(params, token_histories, device),
-            **_count_fields(params, outputs, device),
-            bias=SparseRows.of({i: dict(p.logit_bias) for i, p in enumerate(params) if p.logit_bias}, device),
+            bias=SparseAdds.of(biases, device),
+            counted=SparseAdds.of(penalties, device),
             logprob_rows=[i for i, p in enumerate(params) if p.logprobs > 0],
             num_logprobs=[p.logprobs for p in params if p.logprobs > 0],
         )
@@ -119,45 +120,27 @@ def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class SparseRows:
-    """Values at a few token ids of some rows, padded to one width with (id 0, value 0): added to
-    those rows' [vocab] entries with scatter_add, the padding adds nothing."""
+class SparseAdds:
+    """Values added to a few (row, token id) entries of the logits, in one index_put: a bias or
+    a penalty touches the tokens it names, not each row's whole vocabulary."""
 
-    rows: torch.Tensor  # [r]
-    ids: torch.Tensor  # [r, widest] int64
-    values: torch.Tensor  # [r, widest]
+    rows: torch.Tensor  # [e] int64
+    ids: torch.Tensor  # [e] int64
+    values: torch.Tensor  # [e]
 
     @classmethod
-    def of(cls, entries: dict[int, dict[int, float]], device: torch.device | str) -> "SparseRows | None":
-        """{row: {token id: value}}; None when no row has an entry."""
-        if not entries:
+    def of(cls, row_adds: list[SparseRow | None], device: torch.device | str) -> "SparseAdds | None":
+        """Each row's entries (None: it adds nothing); None when no row adds any."""
+        given = [(i, adds) for i, adds in enumerate(row_adds) if adds is not None]
+        if not given:
             return None
-        width = max(len(e) for e in entries.values())
-        ids = [list(e) + [0] * (width - len(e)) for e in entries.values()]
-        values = [list(e.values()) + [0.0] * (width - len(e)) for e in entries.values()]
-        return cls(
-            rows=torch.tensor(list(entries), dtype=torch.int64, device=device),
-            ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            values=torch.tensor(values, dtype=torch.float32, device=device),
-        )
+        rows = np.repeat([i for i, _ in given], [len(adds.ids) for _, adds in given])  # [e]
+        ids = np.concatenate([adds.ids for _, adds in given])  # [e], copied: the rows' may change
+        values = np.concatenate([adds.values for _, adds in given])  # [e]
+        return cls(*(torch.from_numpy(a).to(device) for a in (rows, ids, values)))
 
-    def dense(self, vocab: int) -> torch.Tensor:
-        """[r, vocab]: each row's values summed at their ids."""
-        out = torch.zeros(len(self.rows), vocab, dtype=torch.float32, device=self.rows.device)
-        return out.scatter_add_(1, self.ids, self.values)
-
-
-def _count_fields(
-    params: list[SamplingParams], outputs: list[list[int]], device: torch.device | str
-) -> dict[str, object]:
-    rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
-    if not rows:
-        return {"counted": None, "presence": None, "frequency": None}
-    return {
-        "counted": SparseRows.of({i: Counter(outputs[i]) for i in rows}, device),
-        "presence": _floats([params[i].presence_penalty for i in rows], device),
-        "frequency": _floats([params[i].frequency_penalty for i in rows], device),
-    }
+    def add_to(self, scores: torch.Tensor) -> None:
+        scores.index_put_((self.rows, self.ids), self.values, accumulate=True)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
@@ -203,9 +186,8 @@ def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.bias is None and batch.penalty_rows is None and batch.counted is None:
         return logits
     out = logits.clone()  # [rows, vocab]
-    vocab = logits.shape[-1]
     if batch.bias is not None:
-        out[batch.bias.rows] += batch.bias.dense(vocab)
+        batch.bias.add_to(out)
     if batch.penalty_rows is not None:
         rows = out[batch.penalty_rows]  # [p, vocab]
         seen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, batch.seen_tokens, True)  # [p, vocab]
@@ -213,9 +195,7 @@ def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         penalized = torch.where(rows > 0, rows / penalty, rows * penalty)  # [p, vocab]
         out[batch.penalty_rows] = torch.where(seen, penalized, rows)
     if batch.counted is not None:
-        counts = batch.counted.dense(vocab)  # [c, vocab]
-        penalties = batch.frequency[:, None] * counts + batch.presence[:, None] * (counts > 0)  # [c, vocab]
-        out[batch.counted.rows] -= penalties
+        batch.counted.add_to(out)
     return out
 
 

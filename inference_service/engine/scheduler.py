@@ -250,6 +250,8 @@ class Scheduler:
             chunk.seq.num_computed += chunk.num_tokens
         for seq, token in sampled:
             seq.output_token_ids.append(token)
+            if seq.penalties is not None:
+                seq.penalties.add(token)
             if seq.matcher is not None:
                 seq.matcher.consume_token(token)
         if self.blocks.prefix_caching:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference_service.engine.logit_adds import OutputPenalties, SparseRow, bias_row
 from inference_service.engine.request import Request
 from inference_service.sampling import SamplingParams
 
@@ -38,16 +39,29 @@ class Sequence:
     hit_blocks: int = 0  # its first blocks that came from the prefix cache at this admission
     # A constrained request's grammar matcher (engine/grammars.py), at the end of its output
     matcher: object | None = None
+    bias: SparseRow | None = None  # its logit bias (engine/logit_adds.py)
+    penalties: OutputPenalties | None = None  # its presence and frequency penalties, as its output grows
 
     @classmethod
     def of(
         cls, request: Request, generator: torch.Generator | None, digest: str | None, matcher: object | None
     ):
-        """A submitted request's sequence: its own generator (seeded requests) and grammar matcher
-        (constrained ones) for its whole life, and the adapter content it keeps."""
+        """A submitted request's sequence: its own generator (seeded requests), grammar matcher
+        (constrained ones) and logit bias and penalties (where it asks for them) for its whole
+        life, and the adapter content it keeps."""
         params, adapter = request.params, request.adapter
         prompt = list(request.prompt_token_ids)
-        return cls(request.request_id, prompt, params, adapter, digest, generator=generator, matcher=matcher)
+        return cls(
+            request.request_id,
+            prompt,
+            params,
+            adapter,
+            digest,
+            generator=generator,
+            matcher=matcher,
+            bias=bias_row(params),
+            penalties=OutputPenalties.of(params),
+        )
 
     @property
     def token_ids(self) -> list[int]:

@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from inference_service.engine.logit_adds import FIRST_CAPACITY, OutputPenalties, bias_row
 from inference_service.engine.sampler import ARGMAX_CHUNK, SamplingBatch, generator_for, greedy_tokens, sample
 from inference_service.sampling import (
     MAX_LOGIT_BIAS,
@@ -112,7 +113,22 @@ def _sample(logits, params, histories=None, generators=None, outputs=None):
     histories = histories or [[] for _ in params]
     generators = generators or [None] * len(params)
     outputs = outputs or [[] for _ in params]
-    return sample(logits, SamplingBatch.build(params, generators, histories, outputs, logits.device))
+    biases = [bias_row(p) for p in params]
+    penalties = [_penalties(p, output) for p, output in zip(params, outputs, strict=True)]
+    return sample(
+        logits, SamplingBatch.build(params, generators, histories, biases, penalties, logits.device)
+    )
+
+
+def _penalties(params: SamplingParams, output: list[int]):
+    """The row's penalties once its output holds `output`, added a token at a time as the
+    scheduler adds them."""
+    penalties = OutputPenalties.of(params)
+    if penalties is None:
+        return None
+    for token in output:
+        penalties.add(token)
+    return penalties.row()
 
 
 @pytest.mark.parametrize(
@@ -239,6 +255,21 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
         expected.append(max(range(vocab), key=scores.__getitem__))
     assert got == expected
     assert sum(a != b for a, b in zip(got, favourites, strict=True)) >= 4  # the penalties mattered
+
+
+def test_output_penalties_kept_token_by_token_are_openais_formula_past_their_first_capacity():
+    g = torch.Generator().manual_seed(5)
+    output = torch.randint(0, 4 * FIRST_CAPACITY, (8 * FIRST_CAPACITY,), generator=g).tolist()
+    penalties = OutputPenalties(presence=0.25, frequency=-0.5)
+    seen = []
+    for token in output:
+        penalties.add(token)
+        seen.append(token)
+        row = penalties.row()
+        expected = {t: -(-0.5 * seen.count(t) + 0.25) for t in set(seen)}
+        assert dict(zip(row.ids.tolist(), row.values.tolist(), strict=True)) == pytest.approx(expected)
+    assert len(set(output)) > FIRST_CAPACITY  # the entries grew past their first room
+    assert OutputPenalties.of(SamplingParams()) is None and OutputPenalties(1.0, 0.0).row() is None
 
 
 def test_penalties_draw_from_the_penalized_distribution():
