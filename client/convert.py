@@ -93,7 +93,8 @@ def generate_request(
     bare function, shown to the model by its chat template.
 
     `sampling` takes SamplingParams' fields: max_tokens, temperature, top_k, top_p, min_p,
-    repetition_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs, max_tokens_to_limit;
+    repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed,
+    stop, stop_token_ids, ignore_eos, logprobs, max_tokens_to_limit;
     and at most one output constraint (ValueError naming them when more are given): json_schema
     (a dict or its JSON text), json_object=True (any JSON object), regex (the whole output
     matches it), choice (a list of strings: the output is one of them) or grammar (Lark, or

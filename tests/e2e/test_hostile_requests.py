@@ -10,7 +10,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from inference_service.sampling import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STRUCTURED_CHARS
+from inference_service.sampling import (
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STRUCTURED_CHARS,
+)
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.deep_constraints import DEEP, deepest
@@ -98,6 +104,12 @@ FIELDS = {
     "top_p": (st.floats(0.01, 1), FLOATS),
     "min_p": (st.floats(0, 1), FLOATS),
     "repetition_penalty": (st.floats(0.5, 2), FLOATS),
+    "presence_penalty": (st.floats(-2, 2), FLOATS),
+    "frequency_penalty": (st.floats(-2, 2), FLOATS),
+    "logit_bias": (
+        st.dictionaries(st.integers(0, 255), st.floats(-100, 100, width=32), max_size=4),
+        st.dictionaries(INT32, FLOATS, max_size=4) | st.just({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
+    ),
     "seed": (st.integers(0, 2**64 - 1), st.sampled_from([0, 2**64 - 1])),
     "stop": (
         st.lists(st.text(min_size=1, max_size=8), max_size=4),
@@ -111,7 +123,17 @@ FIELDS = {
     "logprobs": (st.integers(0, 20), INT32),
     "structured": (SANE_STRUCTURED, HOSTILE_STRUCTURED),  # one of SamplingParams' oneof fields
 }
-OPTIONAL = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"}
+OPTIONAL = {
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+}
 
 
 @st.composite
