@@ -175,22 +175,25 @@ def _xml_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_
 def _xml_function_rules(i: int, name: str, schema: dict) -> list[str]:
     """function_i: tool i's name and parameters; any parameters, each a text, where its schema is
     not an object of named properties that XML can hold one by one."""
-    head = f"function_{i}: {json.dumps(f'<function={name}>' + chr(10))}"
-    properties = schema.get("properties")
-    if (
-        not isinstance(properties, dict)
-        or XML_UNHELD & schema.keys()
-        or any(_unwritable(k) for k in properties)
-    ):
-        return [f"{head} any_parameter*"]
-    required = schema.get("required", [])
+    opening = json.dumps(f"<function={name}>\n")  # a Lark string is a JSON string
+    properties, required = schema.get("properties"), schema.get("required", [])
+    if not _xml_holds(properties, required) or XML_UNHELD & schema.keys():
+        return [f"function_{i}: {opening} any_parameter*"]
     defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs name
     rules, parts = [], []
     for j, (key, sub) in enumerate(properties.items()):
         rule, tag = f"parameter_{i}_{j}", json.dumps(f"<parameter={key}>\n")
         parts.append(rule if key in required else f"{rule}?")
         rules.append(f"{rule}: {tag} {_xml_value(sub, defs)}")
-    return [f"{head} {' '.join(parts)}", *rules]
+    return [f"function_{i}: {opening} {' '.join(parts)}", *rules]
+
+
+def _xml_holds(properties: object, required: object) -> bool:
+    """Whether XML's parameters can hold these properties one by one: named properties, each name
+    one <parameter=KEY> can carry, and a list of the required names. (A property's schema that is
+    not one is the grammar engine's to refuse.)"""
+    writable = isinstance(properties, dict) and not any(map(_unwritable, properties))
+    return writable and isinstance(required, list)
 
 
 def _xml_value(schema: object, defs: dict) -> str:

@@ -239,7 +239,9 @@ class XmlCalls(HermesCalls):
         if function is None:
             return None
         name, body = function[1], function[2]
-        arguments = _xml_arguments(body, self._schemas.get(name, {}).get("properties", {}))
+        schema = self._schemas.get(name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        arguments = _xml_arguments(body, properties if isinstance(properties, dict) else {})
         return None if arguments is None else (name, _compact(arguments))
 
 
@@ -315,12 +317,12 @@ def _xml_arguments(body: str, properties: dict) -> dict | None:
     return None if body[at:].strip() else arguments
 
 
-def _xml_value(text: str, schema: dict) -> object:
+def _xml_value(text: str, schema: object) -> object:
     """A parameter's value as the tool's schema reads it: null where it may be null and says so;
-    text where it says string; true or false
-    (as JSON or as Python writes them, which Qwen3-Coder's template does) where it says boolean;
-    JSON otherwise, or the text where it is not JSON."""
-    kinds = schema.get("type")
+    text where it says string; true or false (as JSON or as Python writes them, which
+    Qwen3-Coder's template does) where it says boolean; JSON otherwise, or the text where it is
+    not JSON."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = kinds if isinstance(kinds, list) else [kinds]
     if "null" in kinds and text == "null":
         return None

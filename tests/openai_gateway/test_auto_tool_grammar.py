@@ -12,6 +12,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from inference_service.engine.grammars import Grammars, mask_rows
@@ -19,6 +21,7 @@ from inference_service.sampling import Structured
 from openai_gateway.constraints import constraint
 from openai_gateway.protocol import ChatCompletionRequest
 from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, MistralCalls, XmlCalls, whole_calls
+from shared.errors import InvalidArgument
 from tests.conftest import MISTRAL_CALLS_ID, with_mistral_calls_token
 
 from .test_auto_tool_calls import WEATHER
@@ -189,6 +192,48 @@ def test_decoding_under_xml_masks_writes_a_valid_call_once_a_block_opens(grammar
     parsed += parser.end()
     [call] = whole_calls(parsed.calls)
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+# Parameter schemas as a client may write them, sane or not: typed properties, enums, requirements.
+PARAMETERS = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["object", "string"]) | JSON,
+        "properties": st.dictionaries(
+            st.text(max_size=6),
+            st.fixed_dictionaries(
+                {}, optional={"type": st.sampled_from(["string", "integer", "boolean", "array"]) | JSON}
+            )
+            | JSON,
+            max_size=3,
+        )
+        | JSON,
+        "required": st.lists(st.text(max_size=6), max_size=2) | JSON,
+        "enum": JSON,
+        "anyOf": JSON,
+    },
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parameters=PARAMETERS)
+@example(parameters={"properties": {"a": {"type": "string"}}, "required": 5})
+@example(parameters={"properties": {"a": 5, "b": {"type": "integer"}}})
+@example(parameters={"properties": 5})
+def test_any_parameter_schema_makes_an_xml_grammar_or_a_refusal_by_name(grammars, parameters):
+    """Whatever a tool's schema holds, the gateway builds the XML grammar without failing, and the
+    worker compiles it or refuses it with a message (a 400), never an error of its own."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    sent = constraint(request(True, tools=[tool]), tool_format="qwen3_xml")
+    try:
+        grammars.matcher(Structured("grammar", sent["grammar"]))
+    except InvalidArgument as e:
+        assert str(e).startswith("structured output grammar: ")
 
 
 def decoded_to_the_end(m, vocab_size: int, seed: int) -> list[int]:

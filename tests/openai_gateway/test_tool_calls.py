@@ -10,7 +10,7 @@ import itertools
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from openai_gateway.errors import ApiError
@@ -297,3 +297,35 @@ def test_auto_needs_a_template_that_teaches_a_format_and_the_others_do_not():
     assert parser_for("none", "hermes", {}) is None
     named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "", {})
     assert isinstance(named(), NamedCall)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("ab"), inner, max_size=3),
+    max_leaves=10,
+)
+VALUES = st.sampled_from(["x", "12", "true", "True", "null", '{"k": [1]}', "a\nb", ""])
+XML_CALLS = st.lists(st.tuples(st.sampled_from("ab"), VALUES), max_size=3).map(
+    lambda parameters: (
+        "<tool_call>\n<function=f>\n"
+        + "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+        + "</function>\n</tool_call>"
+    )
+)
+
+
+CALL_OF_A = "<tool_call>\n<function=f>\n<parameter=a>\n12\n</parameter>\n</function>\n</tool_call>"
+
+
+@given(schema=JSON, text=XML_CALLS, cuts=st.lists(st.integers(0, 200), max_size=8))
+@example(schema=5, text=CALL_OF_A, cuts=[])
+@example(schema={"properties": 5}, text=CALL_OF_A, cuts=[])
+@example(schema={"properties": {"a": 5}}, text=CALL_OF_A, cuts=[])
+def test_xml_calls_read_under_any_schema_the_same_whole_and_streamed(schema, text, cuts):
+    """Whatever a client's schema for `f` holds, its calls are read, and the pieces a stream
+    brings add up to the whole."""
+    schemas = {"f": schema}
+    whole = _whole(XmlCalls(schemas), text)
+    streamed = _streamed(XmlCalls(schemas), text, [c % (len(text) + 1) for c in cuts])
+    assert [name for name, _ in _calls(whole)] == ["f"]
+    assert (streamed.content, _calls(streamed)) == (whole.content, _calls(whole))
