@@ -329,6 +329,7 @@ def model_info(message: inference_pb.ModelInfo) -> ModelInfo:
         tensor_parallel_size=message.tensor_parallel_size or 1,
         tool_call_format=message.tool_call_format,
         tool_call_token_id=message.tool_call_token_id if message.HasField("tool_call_token_id") else None,
+        reasoning_format=message.reasoning_format,
     )
 
 

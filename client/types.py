@@ -100,3 +100,6 @@ class ModelInfo:
     tool_call_format: str = ""
     # The special token that opens a reply's calls, in formats that have one (mistral's [TOOL_CALLS]).
     tool_call_token_id: int | None = None
+    # How the chat template has the model reason: "think" (the model opens <think>), "think_opened"
+    # (the generation prompt opens it), or "" (no reasoning block).
+    reasoning_format: str = ""

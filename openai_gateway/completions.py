@@ -15,12 +15,15 @@ from .constraints import constraint
 from .errors import ApiError
 from .metrics import GatewayMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import Reasoning
 from .renderer import ChatRenderer, Renderer, TextRenderer
 from .samples import Samples
 from .tool_calls import parser_for
 from .upstream import Upstream
 
 DONE = format_sse_event(data_str="[DONE]")
+# The reader of a choice's reasoning block, for each reasoning format a chat template may have.
+REASONING = {"think": lambda: Reasoning(opened=False), "think_opened": lambda: Reasoning(opened=True)}
 
 
 async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
@@ -36,7 +39,10 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
         given["tools"] = [
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
         ]
-    renderer = ChatRenderer(body.model, body.alternatives, body.include_usage, tool_parser=parser)
+    reasoning = REASONING.get(info.reasoning_format)
+    renderer = ChatRenderer(
+        body.model, body.alternatives, body.include_usage, tool_parser=parser, reasoning=reasoning
+    )
     return await _serve(
         request, body, [given], renderer, upstream, metrics, start, tool_format, info.tool_call_token_id
     )

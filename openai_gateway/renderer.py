@@ -13,6 +13,7 @@ from collections.abc import Callable
 from loramux import Completion, Delta
 
 from . import logprobs as lp
+from .reasoning import Reasoning
 from .samples import Event, Usage
 from .tool_calls import Parsed, ToolCallParser, whole_calls
 
@@ -72,26 +73,40 @@ class Renderer(ABC):
 
 
 class ChatRenderer(Renderer):
-    """With a tool call parser, each choice's text is read for calls (tool_calls.py): they go out
-    as `tool_calls`, and a choice that called a tool and stopped ends with finish_reason
-    "tool_calls"."""
+    """With a reasoning format, each choice's <think> block goes out as `reasoning_content`
+    (reasoning.py). With a tool call parser, the rest of its text is read for calls
+    (tool_calls.py): they go out as `tool_calls`, and a choice that called a tool and stopped ends
+    with finish_reason "tool_calls"."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, *args, tool_parser: Callable[[], ToolCallParser] | None = None):
+    def __init__(
+        self,
+        *args,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
+        reasoning: Callable[[], Reasoning] | None = None,
+    ):
         super().__init__(*args)
         self._tool_parser = tool_parser
+        self._reasoning = reasoning
         self._parsers: dict[int, ToolCallParser] = {}  # choice index -> its stream's parser
+        self._splitters: dict[int, Reasoning] = {}  # choice index -> its stream's reasoning reader
 
     def _whole_choice(self, index: int, completion: Completion) -> dict:
-        message = {"role": "assistant", "content": completion.text}
+        thought, text = "", completion.text
+        if self._reasoning is not None:
+            splitter = self._reasoning()
+            thought, text = _joined(splitter.feed(text), splitter.end())
+        message = {"role": "assistant", "content": text}
         finish = completion.finish_reason
         if self._tool_parser is not None:
             parser = self._tool_parser()
-            parsed = parser.feed(completion.text) + parser.end()
+            parsed = parser.feed(text) + parser.end()
             message, finish = _message(parsed), _finish(finish, parser)
+        if self._reasoning is not None:
+            message["reasoning_content"] = thought or None
         return {
             "index": index,
             "message": message,
@@ -100,9 +115,12 @@ class ChatRenderer(Renderer):
         }
 
     def _delta_choice(self, index: int, delta: Delta) -> dict:
-        content = {"content": delta.text}
+        thought, text = self._splitter(index).feed(delta.text) if self._reasoning else ("", delta.text)
+        content = {"content": text} if text or not thought else {}
         if self._tool_parser is not None:
-            content = _delta(self._parser(index).feed(delta.text))
+            content = _delta(self._parser(index).feed(text))
+        if thought:
+            content = {"reasoning_content": thought} | content
         if index not in self._sent:  # a choice's first chunk names the role, as OpenAI's do
             content = {"role": "assistant"} | content
         return {
@@ -115,15 +133,26 @@ class ChatRenderer(Renderer):
     def _last_choice(self, index: int, completion: Completion) -> dict:
         start = {} if index in self._sent else {"role": "assistant", "content": ""}
         finish = completion.finish_reason
-        if self._tool_parser is not None:  # what the parser held back, and whether it found calls
+        thought, text = self._splitter(index).end() if self._reasoning else ("", "")
+        if thought:
+            start["reasoning_content"] = thought
+        if self._tool_parser is not None:  # what the parsers held back, and whether it found calls
             parser = self._parser(index)
-            start, finish = start | _delta(parser.end()), _finish(finish, parser)
+            parsed = parser.feed(text) + parser.end()
+            start, finish = start | _delta(parsed), _finish(finish, parser)
+        elif text:
+            start["content"] = text
         return {"index": index, "delta": start, "logprobs": None, "finish_reason": finish}
 
     def _parser(self, index: int) -> ToolCallParser:
         if index not in self._parsers:
             self._parsers[index] = self._tool_parser()
         return self._parsers[index]
+
+    def _splitter(self, index: int) -> Reasoning:
+        if index not in self._splitters:
+            self._splitters[index] = self._reasoning()
+        return self._splitters[index]
 
     def _logprobs(self, entries) -> dict | None:
         return None if self._alternatives is None else lp.chat(entries, self._alternatives)
@@ -141,6 +170,11 @@ def _delta(parsed: Parsed) -> dict:
     if parsed.calls:
         delta["tool_calls"] = [part.body() for part in parsed.calls]
     return delta
+
+
+def _joined(*pieces: tuple[str, str]) -> tuple[str, str]:
+    """(reasoning, content) of consecutive pieces."""
+    return "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
 
 
 def _finish(reason: str, parser: ToolCallParser) -> str:

@@ -20,6 +20,8 @@ from shared.errors import FailedPrecondition, InvalidArgument
 LLAMA3_JSON_INSTRUCTION = '"parameters": dictionary of argument name and its value'
 # What Qwen3-Coder's template shows the model a call is made of, in <tool_call> blocks.
 QWEN3_XML_TAGS = ("<tool_call>", "<function=", "<parameter=")
+# A thinking model's reasoning block, as Qwen3's and DeepSeek-R1's templates write it.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The special token with which Mistral's models open their calls, a JSON array after it.
 MISTRAL_CALLS_TOKEN = "[TOOL_CALLS]"
 # The call ids Mistral's templates take: nine letters and digits.
@@ -46,6 +48,7 @@ class Tokenizer:
         self._template_source = chat_template
         self._template = _compile(chat_template, model_dir) if chat_template else None
         self._tool_call_format, self._tool_call_token_id = self._tool_calls()
+        self._reasoning_format = self._reasoning()
         # Special tokens a decode leaves out: all but the one that opens calls, which the gateway reads.
         self._skipped = frozenset(backend.get_added_tokens_decoder()) - {self._tool_call_token_id}
         pieces = _pieces(backend)
@@ -129,6 +132,13 @@ class Tokenizer:
         """The special token that opens a reply's calls, in formats that have one (mistral)."""
         return self._tool_call_token_id
 
+    @property
+    def reasoning_format(self) -> str:
+        """How the chat template has a model reason: "think" (the model opens a <think> block,
+        as Qwen3 does), "think_opened" (the generation prompt opens it, as DeepSeek-R1's and
+        Qwen3's thinking models' do), or "" (no reasoning block)."""
+        return self._reasoning_format
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:
@@ -163,6 +173,16 @@ class Tokenizer:
         if MISTRAL_CALLS_TOKEN in source and MISTRAL_CALLS_TOKEN in special:
             return "mistral", special[MISTRAL_CALLS_TOKEN]
         return "", None
+
+    def _reasoning(self) -> str:
+        """Read from the template, and from the generation prompt it renders for one question."""
+        if THINK_CLOSE not in (self._template_source or ""):
+            return ""
+        try:
+            prompt = self.apply_chat_template([{"role": "user", "content": "?"}])
+        except InvalidArgument:  # a template that refuses the probe: the model may still open a block
+            return "think"
+        return "think_opened" if prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE) else "think"
 
     def _id_of(self, token: str | None, fallback: int | None) -> int | None:
         token_id = self._backend.token_to_id(token) if token is not None else None

@@ -242,6 +242,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         tensor_parallel_size=config.tensor_parallel_size,
         tool_call_format=tokenizer.tool_call_format if tokenizer else "",
         tool_call_token_id=tokenizer.tool_call_token_id if tokenizer else None,
+        reasoning_format=tokenizer.reasoning_format if tokenizer else "",
     )
 
 

@@ -345,3 +345,32 @@ def _with_call_id(chat: list[dict], call_id: str) -> list[dict]:
             message = {**message, "tool_call_id": call_id}
         replaced.append(message)
     return replaced
+
+
+@pytest.mark.parametrize(
+    "template_file, reasoning_format",
+    [
+        ("think_chat_template.jinja", "think"),
+        ("think_opened_chat_template.jinja", "think_opened"),
+        ("hermes_chat_template.jinja", ""),
+    ],
+)
+def test_the_reasoning_format_is_read_from_the_template_and_its_generation_prompt(
+    default_model_dir, tmp_path, template_file, reasoning_format
+):
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text((Path(__file__).parents[2] / template_file).read_text())
+    assert Tokenizer.from_dir(tmp_path).reasoning_format == reasoning_format
+
+
+def test_a_think_template_that_refuses_the_probe_still_lets_the_model_open_a_block(
+    default_model_dir, tmp_path
+):
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    refusing = "{{ raise_exception('no') if messages[0].content == '?' }}</think>"
+    (tmp_path / "chat_template.jinja").write_text(refusing)
+    assert Tokenizer.from_dir(tmp_path).reasoning_format == "think"
+
+
+def test_the_default_model_has_no_reasoning_format(tokenizer):
+    assert tokenizer.reasoning_format == ""

@@ -1,0 +1,78 @@
+"""A thinking model's <think> block through the gateway with the official client: on a template in
+Qwen3's style the block a reply opens goes out as `reasoning_content` (vLLM's and DeepSeek's field),
+whole and streamed, and the rest as content; on one in DeepSeek-R1's style, whose generation prompt
+opens the block, the reply is reasoning until </think>. The model has random weights, so a regex
+constraint makes it write the reply."""
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import client_on_template
+from .test_auto_tool_calls import MESSAGES
+
+TEMPLATES = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def think_client(tmp_path_factory, chat_model, store):
+    yield from client_on_template(
+        tmp_path_factory, chat_model, store, TEMPLATES / "think_chat_template.jinja"
+    )
+
+
+@pytest.fixture(scope="module")
+def opened_client(tmp_path_factory, chat_model, store):
+    template = TEMPLATES / "think_opened_chat_template.jinja"
+    yield from client_on_template(tmp_path_factory, chat_model, store, template)
+
+
+def whole_and_streamed(client, model: str, regex: str) -> list[tuple[str | None, str]]:
+    """(reasoning_content, content) of the reply written to `regex`, whole, then streamed."""
+    ask = dict(
+        model=model, messages=MESSAGES, max_tokens=40, extra_body={"structured_outputs": {"regex": regex}}
+    )
+    message = client.chat.completions.create(**ask).choices[0].message
+    deltas = [chunk.choices[0].delta for chunk in client.chat.completions.create(**ask, stream=True)]
+    streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    return [(message.reasoning_content, message.content), (streamed or None, content)]
+
+
+def test_a_block_the_reply_opens_is_reasoning_content(think_client):
+    client, model = think_client
+    for reasoning, content in whole_and_streamed(
+        client, model, r"<think>\nSky: [a-z]{4}\.\n</think>\n\nBlue"
+    ):
+        assert reasoning.startswith("\nSky: ") and reasoning.endswith(".\n")
+        assert content == "Blue"
+
+
+def test_a_reply_without_a_block_is_all_content(think_client):
+    client, model = think_client
+    for reasoning, content in whole_and_streamed(client, model, r"Blue, [a-z]{4}"):
+        assert reasoning is None and content.startswith("Blue, ")
+
+
+def test_a_block_the_prompt_opened_is_reasoning_until_it_closes(opened_client):
+    client, model = opened_client
+    for reasoning, content in whole_and_streamed(client, model, r"Sky: [a-z]{4}\.\n</think>\n\nBlue"):
+        assert reasoning.startswith("Sky: ") and content == "Blue"
+
+
+@pytest.mark.parametrize(
+    "regex, expected",
+    [
+        (r"Sky: blue </th", ("Sky: blue </th", "")),  # a closing tag's start, then the end: reasoning
+        (r"Sky: blue", ("Sky: blue", "")),
+    ],
+)
+def test_what_is_held_back_at_a_replys_end_goes_out_in_its_last_chunk(opened_client, regex, expected):
+    client, model = opened_client
+    for reasoning, content in whole_and_streamed(client, model, regex):
+        assert (reasoning, content) == expected
+
+
+def test_a_reply_of_a_tags_start_alone_is_content(think_client):
+    client, model = think_client
+    assert whole_and_streamed(client, model, "<thi") == [(None, "<thi")] * 2
