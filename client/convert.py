@@ -75,22 +75,31 @@ def model_info_rpc() -> Rpc:
     return Rpc("worker", "GetModelInfo", inference_pb.GetModelInfoRequest(), model_info)
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """What goes with messages alone."""
+
+    tools: Sequence[Tool] | None = None
+    template_kwargs: dict | None = None  # more variables for the chat template
+
+
 def generate_request(
     prompt: str | None,
     token_ids: Iterable[int] | None,
     messages: Sequence[Message] | None,
-    tools: Sequence[Tool] | None,
+    chat: ChatOptions,
     adapter: str | None,
     request_id: str | None,
     sampling: dict,
 ) -> inference_pb.GenerateRequest:
-    """A GenerateRequest; ValueError unless exactly one input is given (tools only with messages),
-    TypeError for an unknown sampling argument.
+    """A GenerateRequest; ValueError unless exactly one input is given (chat options only with
+    messages), TypeError for an unknown sampling argument.
 
     A message is {"role", "content"} or (role, content), or OpenAI's assistant message with
-    "tool_calls" or tool message with "tool_call_id" (and "name"); `tools` (with messages only)
-    are OpenAI's {"type": "function", "function": {"name", "description", "parameters"}} or the
-    bare function, shown to the model by its chat template.
+    "tool_calls" or tool message with "tool_call_id" (and "name"); `chat.tools` are OpenAI's
+    {"type": "function", "function": {"name", "description", "parameters"}} or the bare function,
+    shown to the model by its chat template; `chat.template_kwargs` more variables for that
+    template, such as {"enable_thinking": False} (vLLM's chat_template_kwargs).
 
     `sampling` takes SamplingParams' fields: max_tokens, temperature, top_k, top_p, min_p,
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed,
@@ -103,8 +112,10 @@ def generate_request(
     given = [name for name, value in _inputs(prompt, token_ids, messages) if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, token_ids or messages (got {given or 'none'})")
-    if tools is not None and messages is None:
-        raise ValueError("tools go with messages: a chat shows them to the model, a prompt cannot")
+    if chat != ChatOptions() and messages is None:
+        raise ValueError(
+            "tools and chat_template_kwargs go with messages: a chat template takes them, a prompt cannot"
+        )
     request = inference_pb.GenerateRequest(
         adapter=adapter or "", request_id=request_id or "", sampling=sampling_params(sampling)
     )
@@ -114,7 +125,9 @@ def generate_request(
         request.token_ids.ids.extend(token_ids)
     else:
         request.chat.messages.extend(chat_message(m, f"messages[{i}]") for i, m in enumerate(messages))
-        request.chat.tools.extend(tool(t, f"tools[{i}]") for i, t in enumerate(tools or ()))
+        request.chat.tools.extend(tool(t, f"tools[{i}]") for i, t in enumerate(chat.tools or ()))
+        if chat.template_kwargs is not None:
+            request.chat.template_kwargs = _json_text(chat.template_kwargs, "chat_template_kwargs")
     return request
 
 

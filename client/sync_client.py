@@ -41,15 +41,18 @@ class Client:
         token_ids: Iterable[int] | None = None,
         messages: Sequence[convert.Message] | None = None,
         tools: Sequence[convert.Tool] | None = None,
+        chat_template_kwargs: dict | None = None,
         adapter: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
         **sampling,
     ) -> Stream:
         """Starts a generation from exactly one of prompt, token_ids or messages, with `adapter`
-        (None = the base model); convert.generate_request says what messages, tools and the
+        (None = the base model); convert.generate_request says what messages, tools,
+        chat_template_kwargs and the
         sampling arguments (SamplingParams' fields and one output constraint) take."""
-        request = convert.generate_request(prompt, token_ids, messages, tools, adapter, request_id, sampling)
+        chat = convert.ChatOptions(tools, chat_template_kwargs)
+        request = convert.generate_request(prompt, token_ids, messages, chat, adapter, request_id, sampling)
         return Stream(self._connection.invoke("worker", "Generate", request, timeout, adapter))
 
     def complete(self, prompt: str | None = None, **kwargs) -> Completion:

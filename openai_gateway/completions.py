@@ -35,6 +35,8 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
     schemas = {tool.function.name: tool.function.parameters or {} for tool in body.tools or []}
     parser = parser_for(mode, tool_format, schemas)
     given = {"messages": [m.sdk_message() for m in body.messages]}
+    if body.chat_template_kwargs is not None:
+        given["chat_template_kwargs"] = body.chat_template_kwargs
     if parser is not None:
         given["tools"] = [
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools

@@ -3,7 +3,8 @@
 OpenAI refuses arguments it does not know ("Unrecognized request argument supplied: x"); so do we,
 and we also refuse the OpenAI parameters we do not implement unless they hold their neutral value,
 so a request never gets silently different sampling than it asked for. top_k, min_p,
-repetition_penalty, ignore_eos and stop_token_ids are accepted as extensions (vLLM's extra_body).
+repetition_penalty, ignore_eos, stop_token_ids and (chat) chat_template_kwargs are accepted as
+extensions (vLLM's extra_body).
 """
 
 from typing import Annotated, Any, Literal
@@ -267,6 +268,8 @@ class ChatCompletionRequest(Sampling):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's extension: more variables for the chat template ({"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

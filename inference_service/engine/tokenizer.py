@@ -20,6 +20,8 @@ from shared.errors import FailedPrecondition, InvalidArgument
 LLAMA3_JSON_INSTRUCTION = '"parameters": dictionary of argument name and its value'
 # What Qwen3-Coder's template shows the model a call is made of, in <tool_call> blocks.
 QWEN3_XML_TAGS = ("<tool_call>", "<function=", "<parameter=")
+# The variables apply_chat_template sets: a request's own template variables may not replace them.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 # A thinking model's reasoning block, as Qwen3's and DeepSeek-R1's templates write it.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The special token with which Mistral's models open their calls, a JSON array after it.
@@ -140,17 +142,24 @@ class Tokenizer:
         return self._reasoning_format
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
         """The prompt for a conversation, as transformers' apply_chat_template(tokenize=False) renders
-        it; `tools`: the functions the model may call, as OpenAI's request lists them."""
+        it; `tools`: the functions the model may call, as OpenAI's request lists them;
+        `template_kwargs`: more variables for the template (transformers' **kwargs)."""
         if self._template is None:
             raise FailedPrecondition(f"model folder {self._model_dir} has no chat template")
         _check_messages(messages)
+        _check_template_kwargs(template_kwargs or {})
         if self._tool_call_format == "mistral":
             messages = [_with_mistral_ids(message) for message in messages]
         try:
             return self._template.render(
+                **(template_kwargs or {}),
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
@@ -319,6 +328,14 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 def _raise_exception(message: str):
     """Templates call this to reject a conversation (e.g. roles that do not alternate)."""
     raise InvalidArgument(f"chat template rejected the messages: {message}")
+
+
+def _check_template_kwargs(kwargs: dict) -> None:
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgument(f"chat template variable {name!r} is not a name")
+        if name in TEMPLATE_VARIABLES:
+            raise InvalidArgument(f"chat template variable {name!r} is set by the worker, not the request")
 
 
 def _check_messages(messages) -> None:

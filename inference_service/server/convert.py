@@ -88,11 +88,15 @@ def _chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, max_model_len: int) -
         raise InvalidArgument(f"chat input has {len(chat.tools)} tools; at most {MAX_TOOLS}")
     texts = [text for m in messages for text in _message_texts(m)]
     texts += [text for t in chat.tools for text in (t.name, t.description, t.parameters)]
+    texts.append(chat.template_kwargs)
     size = sum(_utf8_bytes(text) for text in texts)
     _check_prompt_bytes("chat input (messages and tools)", size, tokenizer, max_model_len)
     tools = [_tool(t, f"chat.tools[{i}]") for i, t in enumerate(chat.tools)] or None
     rendered = [_message(m, f"chat.messages[{i}]") for i, m in enumerate(messages)]
-    return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tools=tools)
+    kwargs = _json_object(chat.template_kwargs, "chat.template_kwargs") if chat.template_kwargs else None
+    return tokenizer.apply_chat_template(
+        rendered, add_generation_prompt=True, tools=tools, template_kwargs=kwargs
+    )
 
 
 def _message_texts(m: pb.ChatMessage) -> list[str]:

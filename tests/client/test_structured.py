@@ -111,8 +111,10 @@ def test_message_and_tool_keys_are_checked_before_sending():
     with loramux.Client(worker=UNREACHABLE, timeout=1) as client:
         with pytest.raises(ValueError, match=r"messages\[0\] has unknown keys \['contents'\]"):
             client.generate(messages=[{"role": "user", "contents": "hi"}])
-        with pytest.raises(ValueError, match="tools go with messages"):
+        with pytest.raises(ValueError, match="tools and chat_template_kwargs go with messages"):
             client.generate("hi", tools=[WEATHER])
+        with pytest.raises(ValueError, match="tools and chat_template_kwargs go with messages"):
+            client.generate(token_ids=[1], chat_template_kwargs={"enable_thinking": False})
         with pytest.raises(ValueError, match=r"tools\[0\]\.function has unknown keys \['params'\]"):
             client.generate(messages=[("user", "hi")], tools=[{"function": {"name": "f", "params": {}}}])
         with pytest.raises(ValueError, match="needs 'role' and 'content'"):

@@ -6,6 +6,7 @@ constraint makes it write the reply."""
 
 from pathlib import Path
 
+import openai
 import pytest
 
 from .conftest import client_on_template
@@ -76,3 +77,23 @@ def test_what_is_held_back_at_a_replys_end_goes_out_in_its_last_chunk(opened_cli
 def test_a_reply_of_a_tags_start_alone_is_content(think_client):
     client, model = think_client
     assert whole_and_streamed(client, model, "<thi") == [(None, "<thi")] * 2
+
+
+def test_chat_template_kwargs_turn_thinking_off_as_qwen3s_template_does(think_client):
+    """vLLM's chat_template_kwargs: with enable_thinking false the prompt closes an empty block,
+    so the reply is all content; a variable the worker sets is a 400 naming it."""
+    client, model = think_client
+    ask = dict(
+        model=model, messages=MESSAGES, max_tokens=4, extra_body={"structured_outputs": {"regex": "Blue"}}
+    )
+    thinking = client.chat.completions.create(**ask)
+    off = {"chat_template_kwargs": {"enable_thinking": False}, "structured_outputs": {"regex": "Blue"}}
+    answered = client.chat.completions.create(**(ask | {"extra_body": off}))
+    assert answered.usage.prompt_tokens > thinking.usage.prompt_tokens  # the empty block <think>\n\n</think>
+    assert (
+        answered.choices[0].message.content == "Blue"
+        and answered.choices[0].message.reasoning_content is None
+    )
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**(ask | {"extra_body": {"chat_template_kwargs": {"messages": []}}}))
+    assert "variable 'messages' is set by the worker" in raised.value.body["message"]

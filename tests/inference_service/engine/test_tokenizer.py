@@ -374,3 +374,21 @@ def test_a_think_template_that_refuses_the_probe_still_lets_the_model_open_a_blo
 
 def test_the_default_model_has_no_reasoning_format(tokenizer):
     assert tokenizer.reasoning_format == ""
+
+
+def test_template_kwargs_reach_the_template_and_may_not_replace_its_own(default_model_dir, tmp_path):
+    """As transformers' **kwargs: Qwen3's enable_thinking=False closes an empty block for the model."""
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = (Path(__file__).parents[2] / "think_chat_template.jinja").read_text()
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    chat = [{"role": "user", "content": "Sky?"}]
+    thinking = tokenizer.apply_chat_template(chat)
+    assert thinking.endswith("<|im_start|>assistant\n")
+    closed = tokenizer.apply_chat_template(chat, template_kwargs={"enable_thinking": False})
+    assert closed == thinking + "<think>\n\n</think>\n\n"
+    for name in ("messages", "add_generation_prompt", "bos_token"):
+        with pytest.raises(InvalidArgument, match=f"variable '{name}' is set by the worker"):
+            tokenizer.apply_chat_template(chat, template_kwargs={name: []})
+    with pytest.raises(InvalidArgument, match="variable 'not a name' is not a name"):
+        tokenizer.apply_chat_template(chat, template_kwargs={"not a name": 1})
