@@ -11,13 +11,13 @@ from inference_service.adapters.host_tier import ReadyAdapter
 from inference_service.engine.adapter_memory import adapter_memory_units, check_device_room
 from inference_service.engine.config import EngineConfig
 from inference_service.engine.decode_graphs import DecodeGraphs
-from inference_service.engine.grammars import mask_rows
 from inference_service.engine.huge_pages import move_to_huge_pages
 from inference_service.engine.kv_budget import bytes_per_block, check_fits, cpu_blocks, cuda_blocks, sized_by
 from inference_service.engine.rank_group import RankGroup, RankReport
-from inference_service.engine.sampler import SampleResult, SamplingBatch, sample
+from inference_service.engine.sampler import SampleResult
 from inference_service.engine.scheduler import ScheduledChunk
 from inference_service.engine.sequence import Sequence
+from inference_service.engine.sequence_sampling import sample_sequences
 from inference_service.model.adapter_units import memory_targets, page_units, unit_elements
 from inference_service.model.base_weight import serving_format, weight_bytes
 from inference_service.model.collectives import Collectives
@@ -29,7 +29,6 @@ from inference_service.model.moe import expert_weight_bytes
 from inference_service.model.vocab_batch import VocabPages
 from inference_service.model.weights import load_weights
 from kernels.cpu_kernels import CpuKernels
-from kernels.cpu_token_mask import CpuTokenMask
 from kernels.lora_batch import PAGE_RANK, AdapterPages
 from shared.model_config import ModelConfig
 from shared.nonfinite import finite_rows
@@ -228,7 +227,9 @@ class ModelRunner:
         rows = [i for i, c in enumerate(chunks) if finite[i] and c.samples]
         sampled = [chunks[i].seq for i in rows]
         drawn = logits if len(rows) == len(chunks) else logits[rows]  # [rows, vocab]; decode: no copy
-        result = _sample(sampled, drawn, self.cpu_kernels.token_mask) if rows else SampleResult([], [])
+        result = (
+            sample_sequences(sampled, drawn, self.cpu_kernels.token_mask) if rows else SampleResult([], [])
+        )
         computed = [c for c, ok in zip(chunks, finite, strict=True) if ok]
         return StepOutput(computed, sampled, result, non_finite)
 
@@ -312,20 +313,3 @@ def _input(chunk: ScheduledChunk) -> SequenceInput:
     seq = chunk.seq
     tokens = seq.token_ids[seq.num_computed : seq.num_computed + chunk.num_tokens]
     return SequenceInput(tokens, seq.num_computed, seq.block_table, seq.slot)
-
-
-def _sample(seqs: list[Sequence], logits: torch.Tensor, mask_kernel: CpuTokenMask | None) -> SampleResult:
-    """One token per sequence from its row of `logits` [seqs, vocab]; constrained rows masked by
-    `mask_kernel` where there is one (mask_rows)."""
-    # Only penalized rows read their history; building it costs O(length) per row.
-    histories = [s.token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
-    penalties = [s.penalties.row() if s.penalties is not None else None for s in seqs]
-    batch = SamplingBatch.build(
-        [s.params for s in seqs],
-        [s.generator for s in seqs],
-        histories,
-        [s.bias for s in seqs],
-        penalties,
-        logits.device,
-    )
-    return sample(mask_rows(logits, [s.matcher for s in seqs], mask_kernel), batch)

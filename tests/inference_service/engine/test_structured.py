@@ -20,7 +20,7 @@ import llguidance.numpy
 import pytest
 import torch
 
-from inference_service.engine import Engine, EngineConfig, Request, model_runner
+from inference_service.engine import Engine, EngineConfig, Request, sequence_sampling
 from inference_service.engine.grammars import Grammars
 from inference_service.sampling import SamplingParams, Structured
 from kernels.cpu_token_mask import CpuTokenMask
@@ -473,7 +473,7 @@ def test_an_output_the_grammar_engine_stops_following_ends_in_an_error_not_a_sto
     grammar engine past its limits on a step would leave its matcher). The request ends with
     INVALID_ARGUMENT naming the grammar engine's error, without that token, not as a whole output;
     the unconstrained request beside it runs on."""
-    monkeypatch.setattr(model_runner, "mask_rows", lambda logits, matchers, kernel: logits)
+    monkeypatch.setattr(sequence_sampling, "mask_rows", lambda logits, matchers, kernel: logits)
     choice = Structured("choice", choices=("yes", "no"))
     left, free = engine.generate(
         [
