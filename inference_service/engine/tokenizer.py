@@ -25,7 +25,7 @@ TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "b
 # A thinking model's reasoning block, as Qwen3's and DeepSeek-R1's templates write it.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The special token with which Mistral's models open their calls, a JSON array after it.
-MISTRAL_CALLS_TOKEN = "[TOOL_CALLS]"
+MISTRAL_CALLS_TOKEN, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 # The call ids Mistral's templates take: nine letters and digits.
 MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
@@ -52,7 +52,8 @@ class Tokenizer:
         self._tool_call_format, self._tool_call_token_id = self._tool_calls()
         self._reasoning_format = self._reasoning()
         # Special tokens a decode leaves out: all but the one that opens calls, which the gateway reads.
-        self._skipped = frozenset(backend.get_added_tokens_decoder()) - {self._tool_call_token_id}
+        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        self._skipped = frozenset(special - {self._tool_call_token_id})
         pieces = _pieces(backend)
         self._max_token_bytes = _max_token_bytes(pieces)
         self._token_bytes = _token_bytes(backend, pieces)
@@ -179,7 +180,8 @@ class Tokenizer:
         if LLAMA3_JSON_INSTRUCTION in source:
             return "llama3_json", None
         special = {t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
-        if MISTRAL_CALLS_TOKEN in source and MISTRAL_CALLS_TOKEN in special:
+        # Mistral's later templates write a call as [TOOL_CALLS]name[ARGS]{...}: a format not read here
+        if MISTRAL_CALLS_TOKEN in source and MISTRAL_ARGS not in source and MISTRAL_CALLS_TOKEN in special:
             return "mistral", special[MISTRAL_CALLS_TOKEN]
         return "", None
 

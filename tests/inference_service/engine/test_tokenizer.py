@@ -285,6 +285,13 @@ def test_a_mistral_template_over_its_call_token_teaches_the_mistral_format(mistr
     assert (tokenizer.tool_call_format, tokenizer.tool_call_token_id) == ("mistral", MISTRAL_CALLS_ID)
 
 
+def test_a_mistral_template_of_name_and_args_calls_teaches_no_format_read_here(mistral_dir):
+    """Mistral's later templates write [TOOL_CALLS]name[ARGS]{...}, not the array this reads."""
+    template = (mistral_dir / "chat_template.jinja").read_text()
+    (mistral_dir / "chat_template.jinja").write_text(template + "{{- '[TOOL_CALLS]' + 'f' + '[ARGS]' }}")
+    assert Tokenizer.from_dir(mistral_dir).tool_call_format == ""
+
+
 def test_without_the_call_token_a_mistral_template_teaches_no_format(mistral_dir, default_model_dir):
     """Calls are read after the special token; a vocabulary without it cannot open them."""
     shutil.copy(default_model_dir / "tokenizer.json", mistral_dir / "tokenizer.json")
@@ -302,7 +309,13 @@ def test_the_call_token_under_a_template_that_does_not_teach_it_is_left_out(mist
 
 
 def test_a_decode_keeps_the_call_token_and_leaves_out_the_other_special_tokens(mistral_dir):
+    spec = json.loads((mistral_dir / "tokenizer.json").read_text())
+    [reponame] = [t for t in spec["added_tokens"] if t["content"] == "<reponame>"]
+    reponame["special"] = False  # an added token that is not special: text, kept as any decode keeps it
+    (mistral_dir / "tokenizer.json").write_text(json.dumps(spec))
     tokenizer = Tokenizer.from_dir(mistral_dir)
+    kept = tokenizer.encode("a<reponame>b", add_special_tokens=False)
+    assert tokenizer.decode(kept, skip_special_tokens=True) == "a<reponame>b"
     calls = '[{"name": "now", "arguments": {}}]'
     ids = tokenizer.encode("Sure.[TOOL_CALLS] " + calls + "<|im_end|>", add_special_tokens=False)
     assert MISTRAL_CALLS_ID in ids and 2 in ids
