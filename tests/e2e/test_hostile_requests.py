@@ -17,6 +17,7 @@ from inference_service.sampling import (
     MAX_STOP_STRINGS,
     MAX_STRUCTURED_CHARS,
 )
+from inference_service.server.convert import OPTIONAL_SAMPLING
 from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 from shared.pb.loramux.inference.v1 import inference_pb2_grpc as pb_grpc
 from tests.deep_constraints import DEEP, deepest
@@ -123,17 +124,7 @@ FIELDS = {
     "logprobs": (st.integers(0, 20), INT32),
     "structured": (SANE_STRUCTURED, HOSTILE_STRUCTURED),  # one of SamplingParams' oneof fields
 }
-OPTIONAL = {
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-}
+OPTIONAL = set(OPTIONAL_SAMPLING)  # the fields the worker reads only where they are set
 
 
 @st.composite

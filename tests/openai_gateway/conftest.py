@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 from tokenizers import Tokenizer
@@ -163,3 +164,51 @@ def whole_and_streamed(client: OpenAI, **ask) -> list:
     whole = client.chat.completions.create(**ask).choices[0]
     with client.chat.completions.stream(**ask) as stream:
         return [whole, stream.get_final_completion().choices[0]]
+
+
+def answer_after_a_call(client: OpenAI, model: str, tools: list[dict], messages: list, call_constraint: dict):
+    """Asks for a call (its constraint makes the random model write one), carries the call and a
+    tool result back, and returns the next reply, written to a regex: its chat template rendered
+    the call and the result."""
+    ask = dict(model=model, tools=tools, max_tokens=80)
+    first = client.chat.completions.create(
+        messages=messages, extra_body={"structured_outputs": call_constraint}, **ask
+    ).choices[0]
+    [call] = first.message.tool_calls
+    answered = [
+        *messages,
+        first.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"},
+    ]
+    return client.chat.completions.create(
+        messages=answered, extra_body={"structured_outputs": {"regex": "It is [a-z]{5}"}}, **ask
+    ).choices[0]
+
+
+def calls_under_auto_alone(client: OpenAI, model: str, tool: dict, messages: list, seed: int) -> list:
+    """A reply to `messages` sampled under the gateway's grammar for the tool alone (no other
+    constraint), checked to end as a reply may: its calls, each checked against the tool's schema."""
+    choice = client.chat.completions.create(
+        model=model, messages=messages, tools=[tool], max_tokens=32, temperature=1.0, seed=seed
+    ).choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    return choice.message.tool_calls or []
+
+
+def one_call_whole_and_streamed(
+    client: OpenAI, model: str, tool: dict, messages: list, call_constraint: dict, content: str
+) -> list[dict]:
+    """The reply written to `call_constraint`, whole and then streamed, checked to be `content`
+    and one call of `tool` (an id, the tool's name, arguments of its schema) that ends the choice
+    for "tool_calls"; the arguments of each."""
+    ask = dict(model=model, messages=messages, tools=[tool], max_tokens=80)
+    arguments = []
+    for choice in whole_and_streamed(client, **ask, extra_body={"structured_outputs": call_constraint}):
+        assert choice.finish_reason == "tool_calls" and choice.message.content == content
+        [call] = choice.message.tool_calls
+        assert call.function.name == tool["function"]["name"] and call.id.startswith("call_")
+        arguments.append(json.loads(call.function.arguments))
+        jsonschema.validate(arguments[-1], tool["function"]["parameters"])
+    return arguments

@@ -4,15 +4,13 @@ into `tool_calls`, whole and streamed, with the text before them as content, and
 to the tools' schemas (the grammar itself: test_auto_tool_grammar.py). The model has random
 weights, so a regex constraint makes it write a call (vLLM's `structured_outputs` beside tools)."""
 
-import json
 from pathlib import Path
 
-import jsonschema
 import openai
 import pytest
 
 from . import test_fitted_tools as fitted_tools
-from .conftest import client_on_template, whole_and_streamed
+from .conftest import calls_under_auto_alone, client_on_template, one_call_whole_and_streamed
 
 TEMPLATE = Path(__file__).parents[1] / "hermes_chat_template.jinja"
 WEATHER = {
@@ -44,20 +42,7 @@ def hermes_client(tmp_path_factory, chat_model, store):
 
 def test_a_hermes_block_becomes_a_tool_call_whole_and_streamed(hermes_client):
     client, model = hermes_client
-    ask = dict(
-        model=model,
-        messages=MESSAGES,
-        tools=[WEATHER],
-        max_tokens=80,
-        extra_body={"structured_outputs": {"regex": CALL}},
-    )
-    for choice in whole_and_streamed(client, **ask):
-        assert choice.finish_reason == "tool_calls"
-        assert choice.message.content == "Sure. "
-        [call] = choice.message.tool_calls
-        assert call.function.name == "get_weather" and call.id.startswith("call_")
-        arguments = json.loads(call.function.arguments)
-        assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
+    one_call_whole_and_streamed(client, model, WEATHER, MESSAGES, {"regex": CALL}, "Sure. ")
 
 
 def test_text_without_a_block_is_content(hermes_client):
@@ -76,12 +61,7 @@ def test_text_without_a_block_is_content(hermes_client):
 def test_calls_under_auto_alone_follow_the_tools_schemas(hermes_client):
     """No other constraint: the worker samples under the gateway's grammar for the tools."""
     client, model = hermes_client
-    choice = client.chat.completions.create(
-        model=model, messages=MESSAGES, tools=[WEATHER], max_tokens=24, temperature=1.0, seed=3
-    ).choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    for call in choice.message.tool_calls or []:
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    calls_under_auto_alone(client, model, WEATHER, MESSAGES, seed=3)
 
 
 def test_a_schema_the_grammar_engine_cannot_hold_is_refused_under_auto(hermes_client):

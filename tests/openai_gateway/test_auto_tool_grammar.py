@@ -82,6 +82,19 @@ def test_the_grammar_takes_free_text_and_calls_of_the_tools_only(
     )
 
 
+def written_until_closed(m, text_tokenizer: Tokenizer, seed: int) -> str:
+    """What greedy decoding of random logits under the matcher's masks writes until a block
+    closes (at most 300 tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    while "</tool_call>" not in text_tokenizer.decode(ids) and len(ids) < 300:
+        logits = torch.randn(1, text_tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
+        token = int(mask_rows(logits, [m]).argmax())
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+    return text_tokenizer.decode(ids)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammars, text_tokenizer, seed):
     """Random logits stand for a model that knows no tool: once it opens a block, the masks leave
@@ -89,14 +102,7 @@ def test_decoding_under_its_masks_writes_a_valid_call_once_a_block_opens(grammar
     m = matcher(grammars, parallel=True)
     text = "Sure. <tool_call>"
     assert m.consume_tokens(text_tokenizer.encode(text, add_special_tokens=False).ids)
-    generator = torch.Generator().manual_seed(seed)
-    ids = []
-    while "</tool_call>" not in text_tokenizer.decode(ids) and len(ids) < 200:
-        logits = torch.randn(1, text_tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
-        token = int(mask_rows(logits, [m]).argmax())
-        assert m.consume_token(token), m.get_error()
-        ids.append(token)
-    written = text + text_tokenizer.decode(ids)
+    written = text + written_until_closed(m, text_tokenizer, seed)
     parser = HermesCalls()
     parsed = parser.feed(written)
     parsed += parser.end()
@@ -180,15 +186,8 @@ def test_decoding_under_xml_masks_writes_a_valid_call_once_a_block_opens(grammar
     m = grammars.matcher(Structured("grammar", sent["grammar"]))
     text = "<tool_call>"
     assert m.consume_tokens(text_tokenizer.encode(text, add_special_tokens=False).ids)
-    generator = torch.Generator().manual_seed(seed)
-    ids = []
-    while "</tool_call>" not in text_tokenizer.decode(ids) and len(ids) < 300:
-        logits = torch.randn(1, text_tokenizer.get_vocab_size(), generator=generator)  # [1, vocab]
-        token = int(mask_rows(logits, [m]).argmax())
-        assert m.consume_token(token), m.get_error()
-        ids.append(token)
     parser = XmlCalls(SCHEMAS)
-    parsed = parser.feed(text + text_tokenizer.decode(ids))
+    parsed = parser.feed(text + written_until_closed(m, text_tokenizer, seed))
     parsed += parser.end()
     [call] = whole_calls(parsed.calls)
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])

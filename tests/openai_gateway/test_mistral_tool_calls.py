@@ -6,15 +6,18 @@ though Mistral's templates take only nine-character ids. The model has random we
 grammar (vLLM's `structured_outputs` beside tools) makes it write the token and a call (the
 grammar `"auto"` holds calls to itself: test_auto_tool_grammar.py)."""
 
-import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from tests.conftest import MISTRAL_CALLS_ID, with_mistral_calls_token
 
-from .conftest import client_on_template, whole_and_streamed
+from .conftest import (
+    answer_after_a_call,
+    calls_under_auto_alone,
+    client_on_template,
+    one_call_whole_and_streamed,
+)
 from .test_auto_tool_calls import MESSAGES, WEATHER
 
 TEMPLATE = Path(__file__).parents[1] / "mistral_chat_template.jinja"
@@ -33,20 +36,7 @@ def mistral_client(tmp_path_factory, chat_model, store):
 
 def test_an_array_after_the_call_token_becomes_tool_calls_whole_and_streamed(mistral_client):
     client, model = mistral_client
-    ask = dict(
-        model=model,
-        messages=MESSAGES,
-        tools=[WEATHER],
-        max_tokens=60,
-        extra_body={"structured_outputs": {"grammar": CALL}},
-    )
-    for choice in whole_and_streamed(client, **ask):
-        assert choice.finish_reason == "tool_calls"
-        assert choice.message.content == "Let me check."
-        [call] = choice.message.tool_calls
-        assert call.function.name == "get_weather" and call.id.startswith("call_")
-        arguments = json.loads(call.function.arguments)
-        assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
+    one_call_whole_and_streamed(client, model, WEATHER, MESSAGES, {"grammar": CALL}, "Let me check.")
 
 
 def test_text_without_the_call_token_is_content(mistral_client):
@@ -66,19 +56,7 @@ def test_the_calls_and_their_results_carried_back_render(mistral_client):
     """OpenAI's ids (call_ and 24 hex digits) are not the nine characters Mistral's templates
     take: the worker turns them into nine, so the next turn is answered, not refused."""
     client, model = mistral_client
-    ask = dict(model=model, tools=[WEATHER], max_tokens=60)
-    first = client.chat.completions.create(
-        messages=MESSAGES, extra_body={"structured_outputs": {"grammar": CALL}}, **ask
-    ).choices[0]
-    [call] = first.message.tool_calls
-    answered = [
-        *MESSAGES,
-        first.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"},
-    ]
-    reply = client.chat.completions.create(
-        messages=answered, extra_body={"structured_outputs": {"regex": "It is [a-z]{5}"}}, **ask
-    ).choices[0]
+    reply = answer_after_a_call(client, model, [WEATHER], MESSAGES, {"grammar": CALL})
     assert reply.finish_reason == "stop" and reply.message.content.startswith("It is ")
 
 
@@ -87,9 +65,4 @@ def test_replies_under_auto_alone_are_text_or_calls_of_the_tools(mistral_client,
     """No other constraint: the worker samples under the gateway's grammar, which names the call
     token by the id the worker's model info gives."""
     client, model = mistral_client
-    choice = client.chat.completions.create(
-        model=model, messages=MESSAGES, tools=[WEATHER], max_tokens=32, temperature=1.0, seed=seed
-    ).choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    for call in choice.message.tool_calls or []:
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    calls_under_auto_alone(client, model, WEATHER, MESSAGES, seed)

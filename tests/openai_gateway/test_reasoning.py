@@ -17,6 +17,7 @@ REPLIES = {
     "no block": (False, "Blue, <think> is a tag.", "", "Blue, <think> is a tag."),
     "space, then no block": (False, "\n\nBlue.", "", "\n\nBlue."),
     "only a tag's start": (False, "<thi", "", "<thi"),
+    "space and a tag's start": (False, "\n <thi", "", "\n <thi"),
     "an unclosed block": (False, "<think>still thinking", "still thinking", ""),
     "an empty block": (False, "<think>\n\n</think>\n\nBlue.", "\n\n", "Blue."),
     "opened by the prompt": (True, "Sky: blue.\n</think>\n\nBlue.", "Sky: blue.\n", "Blue."),

@@ -8,10 +8,14 @@ holds calls to itself: test_auto_tool_grammar.py)."""
 import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 
-from .conftest import client_on_template, whole_and_streamed
+from .conftest import (
+    answer_after_a_call,
+    calls_under_auto_alone,
+    client_on_template,
+    one_call_whole_and_streamed,
+)
 from .test_auto_tool_calls import MESSAGES, WEATHER
 
 TEMPLATE = Path(__file__).parents[1] / "qwen3_xml_chat_template.jinja"
@@ -28,20 +32,8 @@ def xml_client(tmp_path_factory, chat_model, store):
 
 def test_an_xml_block_becomes_a_tool_call_whole_and_streamed(xml_client):
     client, model = xml_client
-    ask = dict(
-        model=model,
-        messages=MESSAGES,
-        tools=[WEATHER],
-        max_tokens=80,
-        extra_body={"structured_outputs": {"regex": CALL}},
-    )
-    for choice in whole_and_streamed(client, **ask):
-        assert choice.finish_reason == "tool_calls"
-        assert choice.message.content == "Sure.\n"
-        [call] = choice.message.tool_calls
-        assert call.function.name == "get_weather" and call.id.startswith("call_")
-        arguments = json.loads(call.function.arguments)  # days an integer, as the schema says
-        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    calls = one_call_whole_and_streamed(client, model, WEATHER, MESSAGES, {"regex": CALL}, "Sure.\n")
+    assert all(isinstance(arguments["days"], int) for arguments in calls)  # as the schema says, not text
 
 
 def test_a_string_value_stays_text_though_it_reads_as_json(xml_client):
@@ -69,19 +61,7 @@ def test_a_string_value_stays_text_though_it_reads_as_json(xml_client):
 
 def test_the_calls_carried_back_render_and_are_answered(xml_client):
     client, model = xml_client
-    ask = dict(model=model, tools=[WEATHER], max_tokens=80)
-    first = client.chat.completions.create(
-        messages=MESSAGES, extra_body={"structured_outputs": {"regex": CALL}}, **ask
-    ).choices[0]
-    [call] = first.message.tool_calls
-    answered = [
-        *MESSAGES,
-        first.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
-    ]
-    reply = client.chat.completions.create(
-        messages=answered, extra_body={"structured_outputs": {"regex": "It is [a-z]{5}"}}, **ask
-    ).choices[0]
+    reply = answer_after_a_call(client, model, [WEATHER], MESSAGES, {"regex": CALL})
     assert reply.finish_reason == "stop" and reply.message.content.startswith("It is ")
 
 
@@ -89,9 +69,4 @@ def test_the_calls_carried_back_render_and_are_answered(xml_client):
 def test_calls_under_auto_alone_follow_the_tools_schemas(xml_client, seed):
     """No other constraint: the worker samples under the gateway's grammar for the tools."""
     client, model = xml_client
-    choice = client.chat.completions.create(
-        model=model, messages=MESSAGES, tools=[WEATHER], max_tokens=32, temperature=1.0, seed=seed
-    ).choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    for call in choice.message.tool_calls or []:
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    calls_under_auto_alone(client, model, WEATHER, MESSAGES, seed)
