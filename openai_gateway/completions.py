@@ -11,7 +11,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from loramux import Completion
 
-from .constraints import constraint
+from .constraints import constrains_from_the_start, constraint
 from .errors import ApiError
 from .metrics import GatewayMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -42,6 +42,8 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
         ]
     reasoning = REASONING.get(info.reasoning_format)
+    if reasoning is not None and constrains_from_the_start(body):  # the reply is the answer from its start
+        reasoning = REASONING["think"]
     renderer = ChatRenderer(
         body.model, body.alternatives, body.include_usage, tool_parser=parser, reasoning=reasoning
     )

@@ -67,6 +67,15 @@ def constraint(body: Sampling, tool_format: str = "", call_token: int | None = N
     return next(iter(given.values()), {})
 
 
+def constrains_from_the_start(body: Sampling) -> bool:
+    """Whether the request's own parameters hold its output from the first token (a response
+    format, structured outputs, or a forced tool choice), leaving a thinking model no room for
+    its reasoning block; `"auto"`'s grammar leaves the text before a call free."""
+    forced_tools = isinstance(body, ChatCompletionRequest) and body.tool_mode not in ("none", "auto")
+    formatted = body.response_format is not None and body.response_format.type != "text"
+    return formatted or body.structured_outputs is not None or forced_tools
+
+
 def of_tool_choice(body: ChatCompletionRequest) -> dict:
     mode = body.tool_mode
     if isinstance(mode, NamedToolChoice):

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from inference_service.engine.grammars import Grammars, mask_rows
 from inference_service.sampling import Structured
-from openai_gateway.constraints import constraint
+from openai_gateway.constraints import constrains_from_the_start, constraint
 from openai_gateway.protocol import ChatCompletionRequest
 from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, MistralCalls, XmlCalls, whole_calls
 from shared.errors import InvalidArgument
@@ -428,3 +428,19 @@ def test_many_described_tools_fit_a_constraint():
     assert len(grammar) <= 64 << 10
     assert round(len(grammar) / 1000, 1) == 57.8  # README's figure: the schemas written compact
     Structured("grammar", grammar)  # the worker's own bound on a constraint's text
+
+
+@pytest.mark.parametrize(
+    "extra, forced",
+    [
+        ({}, False),
+        ({"tool_choice": "auto"}, False),  # auto's grammar leaves the text before a call free
+        ({"tool_choice": "none"}, False),
+        ({"response_format": {"type": "text"}}, False),
+        ({"tool_choice": "required"}, True),
+        ({"response_format": {"type": "json_object"}}, True),
+        ({"structured_outputs": {"regex": "a"}}, True),
+    ],
+)
+def test_what_holds_a_reply_from_its_first_token(extra, forced):
+    assert constrains_from_the_start(request(**extra)) == forced

@@ -1,8 +1,9 @@
 """A thinking model's <think> block through the gateway with the official client: on a template in
 Qwen3's style the block a reply opens goes out as `reasoning_content` (vLLM's and DeepSeek's field),
 whole and streamed, and the rest as content; on one in DeepSeek-R1's style, whose generation prompt
-opens the block, the reply is reasoning until </think>. The model has random weights, so a regex
-constraint makes it write the reply."""
+opens the block, the reply is reasoning until </think>, unless the request's own constraint holds it
+from its first token. The model has random weights, so a regex constraint makes it write the reply
+where a test needs one."""
 
 from pathlib import Path
 
@@ -28,11 +29,14 @@ def opened_client(tmp_path_factory, chat_model, store):
     yield from client_on_template(tmp_path_factory, chat_model, store, template)
 
 
-def whole_and_streamed(client, model: str, regex: str) -> list[tuple[str | None, str]]:
-    """(reasoning_content, content) of the reply written to `regex`, whole, then streamed."""
-    ask = dict(
-        model=model, messages=MESSAGES, max_tokens=40, extra_body={"structured_outputs": {"regex": regex}}
-    )
+def whole_and_streamed(client, model: str, regex: str | None) -> list[tuple[str | None, str]]:
+    """(reasoning_content, content) of the reply written to `regex` (None: a seeded draw of 8
+    tokens), whole, then streamed."""
+    ask = dict(model=model, messages=MESSAGES, max_tokens=40)
+    if regex is None:
+        ask |= dict(max_tokens=8, temperature=1.0, seed=5)
+    else:
+        ask["extra_body"] = {"structured_outputs": {"regex": regex}}
     message = client.chat.completions.create(**ask).choices[0].message
     deltas = [chunk.choices[0].delta for chunk in client.chat.completions.create(**ask, stream=True)]
     streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
@@ -42,9 +46,8 @@ def whole_and_streamed(client, model: str, regex: str) -> list[tuple[str | None,
 
 def test_a_block_the_reply_opens_is_reasoning_content(think_client):
     client, model = think_client
-    for reasoning, content in whole_and_streamed(
-        client, model, r"<think>\nSky: [a-z]{4}\.\n</think>\n\nBlue"
-    ):
+    written = r"<think>\nSky: [a-z]{4}\.\n</think>\n\nBlue"
+    for reasoning, content in whole_and_streamed(client, model, written):
         assert reasoning.startswith("\nSky: ") and reasoning.endswith(".\n")
         assert content == "Blue"
 
@@ -56,20 +59,30 @@ def test_a_reply_without_a_block_is_all_content(think_client):
 
 
 def test_a_block_the_prompt_opened_is_reasoning_until_it_closes(opened_client):
+    """Eight tokens drawn after the prompt opened the block, none of them closing it: all
+    reasoning, the same whole and streamed."""
     client, model = opened_client
-    for reasoning, content in whole_and_streamed(client, model, r"Sky: [a-z]{4}\.\n</think>\n\nBlue"):
-        assert reasoning.startswith("Sky: ") and content == "Blue"
+    whole, streamed = whole_and_streamed(client, model, None)
+    assert whole == streamed and whole[0] and whole[1] == ""
+
+
+def test_a_constrained_reply_is_the_answer_though_the_prompt_opened_a_block(opened_client):
+    """A response format or structured output holds the reply from its first token: no room to
+    reason, so what it shaped is content, not an unclosed block."""
+    client, model = opened_client
+    for reasoning, content in whole_and_streamed(client, model, r"Blue, [a-z]{4}"):
+        assert reasoning is None and content.startswith("Blue, ")
 
 
 @pytest.mark.parametrize(
     "regex, expected",
     [
-        (r"Sky: blue </th", ("Sky: blue </th", "")),  # a closing tag's start, then the end: reasoning
-        (r"Sky: blue", ("Sky: blue", "")),
+        (r"<think>Sky: blue </th", ("Sky: blue </th", "")),  # a closing tag's start, then the end
+        (r"<think>Sky: blue", ("Sky: blue", "")),
     ],
 )
-def test_what_is_held_back_at_a_replys_end_goes_out_in_its_last_chunk(opened_client, regex, expected):
-    client, model = opened_client
+def test_what_is_held_back_at_a_replys_end_goes_out_in_its_last_chunk(think_client, regex, expected):
+    client, model = think_client
     for reasoning, content in whole_and_streamed(client, model, regex):
         assert (reasoning, content) == expected
 
