@@ -3,7 +3,7 @@
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -41,15 +41,22 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
         given["tools"] = [
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
         ]
-    reasoning = REASONING.get(info.reasoning_format)
-    if reasoning is not None and constrains_from_the_start(body):  # the reply is the answer from its start
-        reasoning = REASONING["think"]
+    reasoning = _reasoning(info.reasoning_format, body)
     renderer = ChatRenderer(
         body.model, body.alternatives, body.include_usage, tool_parser=parser, reasoning=reasoning
     )
     return await _serve(
         request, body, [given], renderer, upstream, metrics, start, tool_format, info.tool_call_token_id
     )
+
+
+def _reasoning(reasoning_format: str, body: ChatCompletionRequest) -> Callable[[], Reasoning] | None:
+    """The reader of each choice's reasoning block, where the template has one. A reply the
+    request's own constraint holds from its first token has no room to reason, so it is read as
+    one that would open its block itself: the answer the constraint shaped is content."""
+    if reasoning_format not in REASONING:
+        return None
+    return REASONING["think" if constrains_from_the_start(body) else reasoning_format]
 
 
 async def text(request: Request, body: CompletionRequest, upstream: Upstream, metrics: GatewayMetrics):
