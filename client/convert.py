@@ -19,7 +19,7 @@ SAMPLING_FIELDS = tuple(inference_pb.SamplingParams.DESCRIPTOR.fields_by_name)
 STRUCTURED = tuple(
     field.name for field in inference_pb.SamplingParams.DESCRIPTOR.oneofs_by_name["structured"].fields
 )
-MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 TOOL_CALL_KEYS = ("id", "type", "function")
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
@@ -183,8 +183,8 @@ def _choices(choices: Sequence[str]) -> inference_pb.Choices:
 
 def chat_message(message: Message, where: str) -> inference_pb.ChatMessage:
     """{"role": ..., "content": ...} or (role, content) -> ChatMessage; a dict may also be OpenAI's
-    assistant message with "tool_calls" (its content None or absent) or a tool message with
-    "tool_call_id" and an optional "name"."""
+    assistant message with "tool_calls" (its content None or absent) and "reasoning_content" (a
+    thinking model's, sent back), or a tool message with "tool_call_id" and an optional "name"."""
     if isinstance(message, tuple) and len(message) == 2:
         return inference_pb.ChatMessage(role=message[0], content=message[1])
     if not isinstance(message, Mapping):
@@ -203,6 +203,7 @@ def chat_message(message: Message, where: str) -> inference_pb.ChatMessage:
         tool_calls=[tool_call(c, f"{where}.tool_calls[{j}]") for j, c in calls],
         tool_call_id=message.get("tool_call_id") or "",
         name=message.get("name") or "",
+        reasoning_content=message.get("reasoning_content") or "",
     )
 
 

@@ -213,6 +213,7 @@ class ChatMessage(Closed):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result's call
+    reasoning_content: str | None = None  # an assistant's reasoning, as this gateway returned it
 
     @model_validator(mode="after")
     def _fields_of_its_role(self):
@@ -221,6 +222,8 @@ class ChatMessage(Closed):
             raise ValueError("only assistant messages carry `tool_calls`")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a message with role tool, and only such a message, has `tool_call_id`")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry `reasoning_content`")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs `content`")
         return self
@@ -237,6 +240,8 @@ class ChatMessage(Closed):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             message["name"] = self.name
+        if self.reasoning_content:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

@@ -57,7 +57,7 @@ def _chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, max_model_len: int) -
 
 def _message_texts(m: pb.ChatMessage) -> list[str]:
     calls = [text for c in m.tool_calls for text in (c.id, c.name, c.arguments)]
-    return [m.role, m.content, m.tool_call_id, m.name, *calls]
+    return [m.role, m.content, m.tool_call_id, m.name, m.reasoning_content, *calls]
 
 
 def _message(m: pb.ChatMessage, where: str) -> dict:
@@ -70,6 +70,8 @@ def _message(m: pb.ChatMessage, where: str) -> dict:
         message["tool_call_id"] = m.tool_call_id
     if m.name:
         message["name"] = m.name
+    if m.reasoning_content:
+        message["reasoning_content"] = m.reasoning_content
     return message
 
 

@@ -106,6 +106,11 @@ def test_an_unknown_model_is_404_in_openais_words(client):
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when `stream`"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "Input should be"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "has `tool_call_id`"),
+        (
+            {"messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]},
+            "messages.0",
+            "only assistant messages carry `reasoning_content`",
+        ),
         ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages.0.audio", "not permitted"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

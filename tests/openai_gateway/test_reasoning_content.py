@@ -110,3 +110,19 @@ def test_chat_template_kwargs_turn_thinking_off_as_qwen3s_template_does(think_cl
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(**(ask | {"extra_body": {"chat_template_kwargs": {"messages": []}}}))
     assert "variable 'messages' is set by the worker" in raised.value.body["message"]
+
+
+def test_an_answer_sent_back_with_its_reasoning_renders_it(think_client):
+    """The openai client sends back the assistant message it got, reasoning_content included:
+    taken, and given to the template, which renders it (as Qwen3's does within a tool-using turn)."""
+    client, model = think_client
+    written = {"structured_outputs": {"regex": r"<think>\nSky: blue\.\n</think>\n\nBlue"}}
+    first = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=20, extra_body=written)
+    answer = first.choices[0].message
+    assert answer.reasoning_content == "\nSky: blue.\n"
+    bare = {"role": "assistant", "content": answer.content}
+    usage = {}
+    for name, sent in (("with", answer), ("without", bare)):
+        messages = [*MESSAGES, sent, {"role": "user", "content": "And at night?"}]
+        usage[name] = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage
+    assert usage["with"].prompt_tokens > usage["without"].prompt_tokens  # the reasoning was rendered
