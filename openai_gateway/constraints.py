@@ -51,29 +51,35 @@ def constraint(body: Sampling, tool_format: str = "", call_token: int | None = N
     would each constrain the output. `tool_format`: the tool-call format the model's chat template
     teaches ("hermes"), which `"auto"` holds calls to where nothing else constrains the output;
     `call_token`: the special token that opens calls, in formats that have one (mistral)."""
-    given = {}
-    if body.response_format is not None and body.response_format.type != "text":
-        given["response_format"] = of_response_format(body.response_format)
-    if body.structured_outputs is not None:
-        given["structured_outputs"] = of_structured_outputs(body.structured_outputs)
-    if isinstance(body, ChatCompletionRequest) and body.tool_mode not in ("none", "auto"):
-        given["tool_choice"] = of_tool_choice(body)
+    given = _constraining(body)
     if len(given) > 1:
         names = " and ".join(f"`{name}`" for name in given)
-        raise ApiError(400, f"{names} each constrain the output; give one of them", next(iter(given)))
+        raise ApiError(400, f"{names} each constrain the output; give one of them", given[0])
+    if given:
+        return OF_PARAMETER[given[0]](body)
     known = tool_format in AUTO_GRAMMARS  # a format the gateway reads calls in (tool_calls.py)
-    if not given and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and known:
+    if isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto" and known:
         return of_auto_tools(body.tools, body.parallel_tool_calls, tool_format, call_token)
-    return next(iter(given.values()), {})
+    return {}
 
 
 def constrains_from_the_start(body: Sampling) -> bool:
     """Whether the request's own parameters hold its output from the first token (a response
     format, structured outputs, or a forced tool choice), leaving a thinking model no room for
     its reasoning block; `"auto"`'s grammar leaves the text before a call free."""
-    forced_tools = isinstance(body, ChatCompletionRequest) and body.tool_mode not in ("none", "auto")
-    formatted = body.response_format is not None and body.response_format.type != "text"
-    return formatted or body.structured_outputs is not None or forced_tools
+    return bool(_constraining(body))
+
+
+def _constraining(body: Sampling) -> list[str]:
+    """The request's parameters that constrain its output, in OpenAI's order of them."""
+    named = []
+    if body.response_format is not None and body.response_format.type != "text":
+        named.append("response_format")
+    if body.structured_outputs is not None:
+        named.append("structured_outputs")
+    if isinstance(body, ChatCompletionRequest) and body.tool_mode not in ("none", "auto"):
+        named.append("tool_choice")
+    return named
 
 
 def of_tool_choice(body: ChatCompletionRequest) -> dict:
@@ -119,15 +125,8 @@ def _required_calls(tools: list[Tool], arguments: list[dict], parallel: bool) ->
 def _hermes_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
     """Hermes' blocks, <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, among free text
     (opened by text: no call token)."""
-    lines = [
-        "%llguidance {}",
-        "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
-        r"TEXT: /(.|\n)*/",
-        r"SPACE: /\s*/",
-        'opening[lazy]: TEXT "<tool_call>"',
-        rf'call: opening "\n{{\"name\": " ({_functions(tools)}) "}}\n</tool_call>"',
-    ]
-    return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "arguments")) + "\n"}
+    call = rf'call: opening "\n{{\"name\": " ({_functions(tools)}) "}}\n</tool_call>"'
+    return _lark([*_blocks_among_text(parallel), call, *_function_rules(tools, arguments, "arguments")])
 
 
 def _llama3_json_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
@@ -141,7 +140,7 @@ def _llama3_json_grammar(tools: list[Tool], arguments: list[dict], parallel: boo
         r"SEPARATOR: /\s*;\s*/",
         rf'call: "{{\"name\": " ({_functions(tools)}) "}}"',
     ]
-    return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "parameters")) + "\n"}
+    return _lark(lines + _function_rules(tools, arguments, "parameters"))
 
 
 def _mistral_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: int) -> dict:
@@ -157,7 +156,7 @@ def _mistral_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, c
         r'ID: /, "id": "[A-Za-z0-9]{9}"/',
         rf'call: "{{\"name\": " ({_functions(tools)}) ID? "}}"',
     ]
-    return {"grammar": "\n".join(lines + _function_rules(tools, arguments, "arguments")) + "\n"}
+    return _lark(lines + _function_rules(tools, arguments, "arguments"))
 
 
 def _xml_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
@@ -166,18 +165,30 @@ def _xml_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_
     ones always), then </function>\\n</tool_call>. A string's value is any text (one of its enum,
     where it has one), a boolean's true or false, any other value JSON of its schema (no call token)."""
     lines = [
-        "%llguidance {}",
-        "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
-        r"TEXT: /(.|\n)*/",
-        r"SPACE: /\s*/",
-        r"KEY: /[^>\n]+/",
-        'opening[lazy]: TEXT "<tool_call>"',
+        *_blocks_among_text(parallel),
         rf'call: opening "\n" ({_functions(tools)}) "</function>\n</tool_call>"',
+        r"KEY: /[^>\n]+/",
         rf'text_value[lazy]: TEXT "{XML_VALUE_END}"',
         r'any_parameter: "<parameter=" KEY ">\n" text_value',
     ]
     for i, (tool, schema) in enumerate(zip(tools, arguments, strict=True)):
         lines += _xml_function_rules(i, tool.function.name, schema)
+    return _lark(lines)
+
+
+def _blocks_among_text(parallel: bool) -> list[str]:
+    """The rules of calls in <tool_call> blocks among free text, each block left free until the
+    model writes its opening tag; the format's `call` rule says what the block holds."""
+    return [
+        "%llguidance {}",
+        "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
+        r"TEXT: /(.|\n)*/",
+        r"SPACE: /\s*/",
+        'opening[lazy]: TEXT "<tool_call>"',
+    ]
+
+
+def _lark(lines: list[str]) -> dict:
     return {"grammar": "\n".join(lines) + "\n"}
 
 
@@ -240,6 +251,12 @@ def _function_rules(tools: list[Tool], arguments: list[dict], key: str) -> list[
     return rules
 
 
+# The SDK keyword each constraining parameter of a request asks for (_constraining).
+OF_PARAMETER: dict[str, Callable[[Sampling], dict]] = {
+    "response_format": lambda body: of_response_format(body.response_format),
+    "structured_outputs": lambda body: of_structured_outputs(body.structured_outputs),
+    "tool_choice": of_tool_choice,
+}
 # The grammar `"auto"` holds calls to, for each tool-call format a chat template may teach.
 AUTO_GRAMMARS = {
     "hermes": _hermes_grammar,

@@ -13,6 +13,8 @@ Each search starts where the last ended, and a tag split across pieces is held u
 
 import enum
 
+from .tool_calls import tag_start
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -65,7 +67,7 @@ class Reasoning:
         held = self._held + text  # the held part is shorter than </think>: searching it is cheap
         at = held.find(CLOSE)
         if at < 0:
-            kept = len(held) - _tag_start(held, CLOSE)
+            kept = len(held) - tag_start(held, CLOSE)
             self._held = held[kept:]
             return held[:kept], ""
         self._state, self._held = _State.CLOSED, ""
@@ -77,11 +79,3 @@ class Reasoning:
         if content:
             self._state = _State.CONTENT
         return content
-
-
-def _tag_start(text: str, tag: str) -> int:
-    """How many of text's last characters may begin the tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

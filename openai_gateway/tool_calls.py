@@ -201,7 +201,7 @@ class HermesCalls(ToolCallParser):
             parsed += self._block(before) if self._in_block else self._content(before)
             self._in_block = not self._in_block
         if not self._in_block:
-            keep = _tag_start(self._held, OPEN)
+            keep = tag_start(self._held, OPEN)
             parsed += self._content(self._held[: len(self._held) - keep])
             self._held, self._searched = self._held[len(self._held) - keep :], 0
         return parsed
@@ -287,7 +287,7 @@ class MistralCalls(ToolCallParser):
             before, self._held = self._held[:at], self._held[at + len(MISTRAL_CALLS) :]
             self._in_calls = True
             return Parsed(content=before) if before.strip() else Parsed()
-        sent = len(self._held) - _tag_start(self._held, MISTRAL_CALLS)
+        sent = len(self._held) - tag_start(self._held, MISTRAL_CALLS)
         content, self._held = self._held[:sent], self._held[sent:]
         return Parsed(content=content)
 
@@ -386,7 +386,7 @@ def _call_of(call: object) -> tuple[str, str] | None:
     return call["name"], _compact(arguments)
 
 
-def _tag_start(text: str, tag: str) -> int:
+def tag_start(text: str, tag: str) -> int:
     """How many of text's last characters may begin the tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

@@ -49,11 +49,12 @@ class Tokenizer:
         self._eos_token_ids = self._eos_ids(model_config.get("eos_token_id"))
         self._template_source = chat_template
         self._template = _compile(chat_template, model_dir) if chat_template else None
-        self._tool_call_format, self._tool_call_token_id = self._tool_calls()
+        added = backend.get_added_tokens_decoder()
+        special = {token.content: i for i, token in added.items() if token.special}  # text -> id
+        self._tool_call_format, self._tool_call_token_id = self._tool_calls(special)
         self._reasoning_format = self._reasoning()
         # Special tokens a decode leaves out: all but the one that opens calls, which the gateway reads.
-        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
-        self._skipped = frozenset(special - {self._tool_call_token_id})
+        self._skipped = frozenset(special.values()) - {self._tool_call_token_id}
         pieces = _pieces(backend)
         self._max_token_bytes = _max_token_bytes(pieces)
         self._token_bytes = _token_bytes(backend, pieces)
@@ -170,8 +171,9 @@ class Tokenizer:
         except TemplateError as e:
             raise InvalidArgument(f"chat template of {self._model_dir} failed on these messages: {e}") from e
 
-    def _tool_calls(self) -> tuple[str, int | None]:
-        """(tool_call_format, tool_call_token_id), read from the template and the vocabulary."""
+    def _tool_calls(self, special: dict[str, int]) -> tuple[str, int | None]:
+        """(tool_call_format, tool_call_token_id), read from the template and the vocabulary's
+        special tokens (text -> id)."""
         source = self._template_source or ""
         if all(tag in source for tag in QWEN3_XML_TAGS):  # before Hermes': its blocks are <tool_call> too
             return "qwen3_xml", None
@@ -179,7 +181,6 @@ class Tokenizer:
             return "hermes", None
         if LLAMA3_JSON_INSTRUCTION in source:
             return "llama3_json", None
-        special = {t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
         # Mistral's later templates write a call as [TOOL_CALLS]name[ARGS]{...}: a format not read here
         if MISTRAL_CALLS_TOKEN in source and MISTRAL_ARGS not in source and MISTRAL_CALLS_TOKEN in special:
             return "mistral", special[MISTRAL_CALLS_TOKEN]
