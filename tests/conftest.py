@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from shared.huge_page_advice import advised
 
@@ -21,6 +22,11 @@ if not torch.cuda.is_available():
 # Every test that runs a kernel in the interpreter (the kernels' own, and the model's Triton path)
 # reads NaN where a masked load without `other=` would read garbage on a GPU.
 from tests.kernels.poisoned_loads import poisoned_masked_loads  # noqa: F401  (autouse)
+
+# Property tests check what the code does, not how fast: hypothesis's default 200 ms deadline per
+# example is a timed assertion, and on two busy cores a slow example fails it by chance.
+settings.register_profile("loramux", deadline=None)
+settings.load_profile("loramux")
 
 
 def pytest_collection_modifyitems(items):
