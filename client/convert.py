@@ -344,6 +344,7 @@ def model_info(message: inference_pb.ModelInfo) -> ModelInfo:
         tool_call_format=message.tool_call_format,
         tool_call_token_id=message.tool_call_token_id if message.HasField("tool_call_token_id") else None,
         reasoning_format=message.reasoning_format,
+        constrains_reasoning=message.constrains_reasoning,
     )
 
 

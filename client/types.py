@@ -103,3 +103,6 @@ class ModelInfo:
     # How the chat template has the model reason: "think" (the model opens <think>), "think_opened"
     # (the generation prompt opens it), or "" (no reasoning block).
     reasoning_format: str = ""
+    # Whether a chat request's output constraint holds the reasoning block too (the worker's
+    # --constrain-reasoning); False: the block's text is free and the constraint holds what follows.
+    constrains_reasoning: bool = False

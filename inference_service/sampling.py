@@ -25,17 +25,24 @@ MAX_LOGIT_BIAS = 1024
 # A constraint is compiled when its request is submitted: its text and its choices are bounded.
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CHOICES = 256
+# A thinking model's reasoning block, which a constraint may follow (Tokenizer.reasoning_format):
+# none, one the reply may open, one the prompt opened.
+REASONING_FORMATS = ("", "think", "think_opened")
 
 
 @dataclass(frozen=True)
 class Structured:
     """One constraint on a request's output: a JSON schema (its JSON text), any JSON object, a
     regex, one of `choices`, or a grammar (Lark, or GBNF with ::= rules). The engine compiles it
-    when the request is submitted (engine/grammars.py) and samples only tokens it allows."""
+    when the request is submitted (engine/grammars.py) and samples only tokens it allows.
+    `after_reasoning`: a reasoning block of that format comes first, its text free until </think>
+    ("think": where the reply opens one; "think_opened": the prompt opened it), and the constraint
+    holds what follows it."""
 
     kind: str
     spec: str = ""  # the schema, regex or grammar; "" for json_object and choice
     choices: tuple[str, ...] = ()
+    after_reasoning: str = ""  # one of REASONING_FORMATS
 
     def __post_init__(self):
         object.__setattr__(self, "choices", _as_tuple(self.choices, "structured.choices"))
@@ -62,6 +69,11 @@ class Structured:
         if sum(len(c) for c in self.choices) > MAX_STRUCTURED_CHARS:
             raise InvalidArgument(
                 f"structured output choices hold more than {MAX_STRUCTURED_CHARS} characters"
+            )
+        if self.after_reasoning not in REASONING_FORMATS:
+            raise InvalidArgument(
+                f"structured output after_reasoning {reprlib.repr(self.after_reasoning)} is none of "
+                + ", ".join(map(repr, REASONING_FORMATS))
             )
 
 

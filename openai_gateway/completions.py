@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from loramux import Completion
+from loramux import Completion, ModelInfo
 
 from .constraints import constrains_from_the_start, constraint
 from .errors import ApiError
@@ -41,7 +41,7 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
         given["tools"] = [
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
         ]
-    reasoning = _reasoning(info.reasoning_format, body)
+    reasoning = reasoning_reader(info, body)
     renderer = ChatRenderer(
         body.model, body.alternatives, body.include_usage, tool_parser=parser, reasoning=reasoning
     )
@@ -50,13 +50,15 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
     )
 
 
-def _reasoning(reasoning_format: str, body: ChatCompletionRequest) -> Callable[[], Reasoning] | None:
-    """The reader of each choice's reasoning block, where the template has one. A reply the
-    request's own constraint holds from its first token has no room to reason, so it is read as
-    one that would open its block itself: the answer the constraint shaped is content."""
-    if reasoning_format not in REASONING:
+def reasoning_reader(info: ModelInfo, body: ChatCompletionRequest) -> Callable[[], Reasoning] | None:
+    """The reader of each choice's reasoning block, where the template has one. The worker holds a
+    constraint after the block, unless it constrains reasoning too: then a reply the request's own
+    constraint holds from its first token has no room to reason, so it is read as one that would
+    open its block itself, and the answer the constraint shaped is content."""
+    if info.reasoning_format not in REASONING:
         return None
-    return REASONING["think" if constrains_from_the_start(body) else reasoning_format]
+    shaped = info.constrains_reasoning and constrains_from_the_start(body)
+    return REASONING["think" if shaped else info.reasoning_format]
 
 
 async def text(request: Request, body: CompletionRequest, upstream: Upstream, metrics: GatewayMetrics):

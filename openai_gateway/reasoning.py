@@ -4,10 +4,11 @@
 Two forms, which the worker's ModelInfo.reasoning_format names from the chat template: "think",
 where the model opens the block itself (Qwen3), so a reply that does not open with <think> is all
 content; and "think_opened", where the generation prompt has opened it (DeepSeek-R1, Qwen3's
-thinking models), so the reply is reasoning until </think>. A request whose own constraint holds
-its output from the first token (constraints.constrains_from_the_start) leaves no room to
-reason: there a reply is read as under "think", so the answer the constraint shaped is content.
-Space around the tags is not content.
+thinking models), so the reply is reasoning until </think>. The worker holds a request's own
+constraint (a response format, structured outputs, a forced tool choice) after the block. A
+worker that holds the block to it too (ModelInfo.constrains_reasoning) leaves a reply it holds from
+the first token (constraints.constrains_from_the_start) no room to reason: there a reply is read as
+under "think", so the answer the constraint shaped is content. Space around the tags is not content.
 Each search starts where the last ended, and a tag split across pieces is held until it is known.
 """
 

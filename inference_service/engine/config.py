@@ -32,6 +32,9 @@ class EngineConfig:
     step_timeout_s: float = 60.0  # a step running longer is a hung engine: every request fails
     # A request waits this long at most for its output constraint to compile (engine/grammars.py)
     grammar_compile_timeout_s: float = 10.0
+    # A chat reply's constraint holds the whole reply, a thinking model's reasoning block included
+    # (vLLM's enable_in_reasoning); False: it holds what follows the block, the block's text free.
+    constrain_reasoning: bool = False
     cuda_graphs: bool = True  # on a GPU, decode steps replay CUDA graphs; False runs every step eagerly
     # Ranks the model is split over (model/shard.py): this process is rank 0, it starts the others
     # (one process each; on CUDA rank r runs on cuda:r).

@@ -26,6 +26,7 @@ import torch
 
 from inference_service.engine.deep_stack_threads import DeepStackThreads
 from inference_service.engine.histogram import Histogram
+from inference_service.engine.tokenizer import THINK_CLOSE, THINK_OPEN
 from inference_service.sampling import Structured
 from kernels.cpu_token_mask import CpuTokenMask
 from shared.child_script import ScriptFailed, run_script
@@ -62,6 +63,10 @@ try:
 except Exception as e:  # its refusals are bare Exceptions: the message, to stderr, exit 1
     sys.exit(str(e))
 """
+# The name the grammar a constraint holds after a reasoning block goes by (_after_reasoning), and
+# the block of each reasoning format: one the reply may open, or the rest of one the prompt opened.
+AFTER_REASONING = "after_reasoning"
+REASONING_BLOCKS = {"think": f'("{THINK_OPEN}" reasoning SPACE)?', "think_opened": "reasoning SPACE"}
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
 
@@ -188,6 +193,31 @@ class Grammars:
 
 
 def _grammar(structured: Structured, timeout_s: float) -> str:
+    grammar = _constraint_grammar(structured, timeout_s)
+    return _after_reasoning(grammar, structured.after_reasoning) if structured.after_reasoning else grammar
+
+
+def _after_reasoning(grammar: str, reasoning: str) -> str:
+    """The grammar engine's grammar (a JSON list of grammars, the first the start) held after a
+    reasoning block: one the reply may open ("think") or the prompt opened ("think_opened"), its
+    text free until the first </think>. A blank line may follow the block (a JSON schema's compact
+    text takes no space of its own)."""
+    top = json.loads(grammar)
+    first, *rest = top["grammars"]
+    lark = "\n".join(
+        [
+            f"start: {REASONING_BLOCKS[reasoning]} @{AFTER_REASONING}",
+            f'reasoning[lazy]: TEXT "{THINK_CLOSE}"',
+            r"TEXT: /(.|\n)*/",
+            r"SPACE: /[ \t\r\n]{0,4}/",  # a blank line, as templates write it; no run to stall in
+        ]
+    )
+    held = {**first, "name": AFTER_REASONING}
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark + "\n"}, held, *rest]})
+
+
+def _constraint_grammar(structured: Structured, timeout_s: float) -> str:
+    """The grammar engine's list of grammars that holds the constraint, its start first."""
     kind, spec = structured.kind, structured.spec
     compact = {"whitespace_flexible": False}  # no free whitespace runs: compact JSON
     if kind == "json_object":
@@ -202,7 +232,8 @@ def _grammar(structured: Structured, timeout_s: float) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in structured.choices))
-    return llguidance.LLMatcher.grammar_from_lark(spec if is_lark(spec) else _lark_of_gbnf(spec, timeout_s))
+    lark = llguidance.LLMatcher.grammar_from_lark(spec if is_lark(spec) else _lark_of_gbnf(spec, timeout_s))
+    return json.dumps({"grammars": [{"lark_grammar": lark}]})  # the list the others are
 
 
 def is_lark(grammar: str) -> bool:

@@ -37,18 +37,26 @@ LOCATIONS = {
 
 
 def request(
-    message: pb.GenerateRequest, tokenizer: Tokenizer | None, max_model_len: int, worker_request_id: str
+    message: pb.GenerateRequest,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    worker_request_id: str,
+    constrain_reasoning: bool = False,
 ) -> Request:
     """The engine's request, keyed by the worker's own id. The cheap checks come first and the
     prompt is tokenized last, in time proportional to a prompt already bounded by `max_model_len`.
     The client's request_id is a label only (logged, and echoed in Final), so no caller can
-    collide with another's."""
+    collide with another's. A chat reply's constraint follows the template's reasoning block,
+    unless `constrain_reasoning` (EngineConfig's)."""
     label = message.request_id
     if len(label) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id is {len(label)} characters long; at most {MAX_REQUEST_ID_CHARS}")
     adapter = check_adapter_id(message.adapter) if message.adapter else None
     params = sampling(message.sampling)
     prompt = prompt_ids(message, tokenizer, max_model_len)
+    reasoning = tokenizer.reasoning_format if tokenizer and not constrain_reasoning else ""
+    if params.structured and reasoning and message.WhichOneof("input") == "chat":
+        params = replace(params, structured=replace(params.structured, after_reasoning=reasoning))
     if message.sampling.max_tokens_to_limit and not message.sampling.HasField("max_tokens"):
         params = replace(params, max_tokens=max(max_model_len - len(prompt), 1))
     return Request(prompt, adapter, params, worker_request_id)
@@ -145,6 +153,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         tool_call_format=tokenizer.tool_call_format if tokenizer else "",
         tool_call_token_id=tokenizer.tool_call_token_id if tokenizer else None,
         reasoning_format=tokenizer.reasoning_format if tokenizer else "",
+        constrains_reasoning=config.constrain_reasoning,
     )
 
 

@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         "to compile before it is refused",
     )
     p.add_argument(
+        "--constrain-reasoning",
+        action="store_true",
+        help="hold a thinking model's reasoning block to a chat request's output constraint too; by "
+        "default the block's text is free and the constraint holds what follows it",
+    )
+    p.add_argument(
         "--eager", action="store_true", help="on a GPU, run decode steps eagerly instead of from CUDA graphs"
     )
     p.add_argument(
@@ -181,6 +187,7 @@ def parse_config(argv: list[str]) -> WorkerConfig:
         prefix_caching=not args.no_prefix_caching,
         step_timeout_s=args.step_timeout,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        constrain_reasoning=args.constrain_reasoning,
         cuda_graphs=not args.eager,
         tensor_parallel_size=args.tensor_parallel_size,
         fully_sharded_loras=args.fully_sharded_loras,

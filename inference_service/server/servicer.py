@@ -38,7 +38,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Tokenizing and templating take time in proportion to the prompt: in a thread, so the
             # event loop goes on serving every other call meanwhile.
             engine_request = await asyncio.to_thread(
-                convert.request, request, engine.tokenizer, engine.max_model_len, worker_request_id
+                convert.request,
+                request,
+                engine.tokenizer,
+                engine.max_model_len,
+                worker_request_id,
+                engine.config.constrain_reasoning,
             )
             async for delta in engine.stream(engine_request):
                 if delta.token_ids:

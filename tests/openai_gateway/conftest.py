@@ -139,16 +139,18 @@ def client_on_template(
     store,  # noqa: F811
     template: Path,
     tokenizer_json: str | None = None,
+    *worker_flags: str,
 ):
     """A worker of the chat model with `template` as its chat template (and `tokenizer_json` as
-    its tokenizer, where given) and a gateway before it: yields the official client and the
-    model's name, then stops both (a module fixture yields from it)."""
+    its tokenizer, where given; started with `worker_flags`) and a gateway before it: yields the
+    official client and the model's name, then stops both (a module fixture yields from it)."""
     model = tmp_path_factory.mktemp(template.stem) / "llama"
     shutil.copytree(chat_model, model)
     (model / "chat_template.jinja").write_text(template.read_text())  # wins over tokenizer_config's
     if tokenizer_json is not None:
         (model / "tokenizer.json").write_text(tokenizer_json)
-    worker = WorkerProcess(model, store.address, tmp_path_factory.mktemp(f"{template.stem}-cache") / "cache")
+    cache = tmp_path_factory.mktemp(f"{template.stem}-cache") / "cache"
+    worker = WorkerProcess(model, store.address, cache, *worker_flags)
     worker.start()
     log = tmp_path_factory.mktemp(f"{template.stem}-gateway") / "gateway.log"
     gateway = GatewayProcess(log, "--worker", worker.address, "--store", store.address, "--api-key", API_KEY)

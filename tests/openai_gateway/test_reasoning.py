@@ -8,6 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from loramux import ModelInfo
+from openai_gateway.completions import reasoning_reader
+from openai_gateway.protocol import ChatCompletionRequest
 from openai_gateway.reasoning import Reasoning
 
 # (opened by the prompt, the reply, its reasoning, its content)
@@ -50,3 +53,36 @@ def test_reasoning_streams_as_it_comes_and_a_closing_tag_is_held_until_known():
     assert reasoning.feed("ink>\n") == ("", "")
     assert reasoning.feed("Blue") == ("", "Blue")
     assert reasoning.end() == ("", "")
+
+
+def info(reasoning_format: str, constrains_reasoning: bool) -> ModelInfo:
+    return ModelInfo(
+        "m", "llama", 8, 8, "float32", "cpu", 1, 8, 1, [2], True,
+        reasoning_format=reasoning_format, constrains_reasoning=constrains_reasoning,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "reasoning_format, constrains_reasoning, constrained, opened",
+    [
+        ("think_opened", False, True, True),  # the worker holds the constraint after the block
+        ("think_opened", True, True, False),  # the constraint held the reply from its first token
+        ("think_opened", True, False, True),
+        ("think", True, True, False),
+        ("think", False, False, False),
+    ],
+)
+def test_a_reply_is_read_as_the_worker_holds_its_constraint(
+    reasoning_format, constrains_reasoning, constrained, opened
+):
+    extra = {"response_format": {"type": "json_object"}} if constrained else {}
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Sky?"}], **extra)
+    reader = reasoning_reader(info(reasoning_format, constrains_reasoning), body)()
+    assert reader.feed("Sky: blue.</think>Blue.") == (
+        ("Sky: blue.", "Blue.") if opened else ("", "Sky: blue.</think>Blue.")
+    )
+
+
+def test_a_template_without_a_block_has_no_reader():
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Sky?"}])
+    assert reasoning_reader(info("", False), body) is None

@@ -1,9 +1,10 @@
 """A thinking model's <think> block through the gateway with the official client: on a template in
 Qwen3's style the block a reply opens goes out as `reasoning_content` (vLLM's and DeepSeek's field),
 whole and streamed, and the rest as content; on one in DeepSeek-R1's style, whose generation prompt
-opens the block, the reply is reasoning until </think>, unless the request's own constraint holds it
-from its first token. The model has random weights, so a regex constraint makes it write the reply
-where a test needs one."""
+opens the block, the reply is reasoning until </think>. A request's constraint holds what follows
+the block, the block's text left free; on a worker started with --constrain-reasoning it holds the
+whole reply, so a reply it holds from the first token is the answer. The model has random weights,
+so a regex constraint on such a worker makes it write the reply where a test needs one."""
 
 from pathlib import Path
 
@@ -11,15 +12,17 @@ import openai
 import pytest
 
 from .conftest import client_on_template
-from .test_auto_tool_calls import MESSAGES
+from .test_auto_tool_calls import MESSAGES, WEATHER
 
 TEMPLATES = Path(__file__).parents[1]
 
 
 @pytest.fixture(scope="module")
 def think_client(tmp_path_factory, chat_model, store):
+    """A Qwen3-style template on a worker whose constraints hold the whole reply."""
+    template = TEMPLATES / "think_chat_template.jinja"
     yield from client_on_template(
-        tmp_path_factory, chat_model, store, TEMPLATES / "think_chat_template.jinja"
+        tmp_path_factory, chat_model, store, template, None, "--constrain-reasoning"
     )
 
 
@@ -29,14 +32,15 @@ def opened_client(tmp_path_factory, chat_model, store):
     yield from client_on_template(tmp_path_factory, chat_model, store, template)
 
 
-def whole_and_streamed(client, model: str, regex: str | None) -> list[tuple[str | None, str]]:
+def whole_and_streamed(client, model: str, regex: str | None, **more) -> list[tuple[str | None, str]]:
     """(reasoning_content, content) of the reply written to `regex` (None: a seeded draw of 8
-    tokens), whole, then streamed."""
+    tokens), whole, then streamed; `more`: the request's other parameters."""
     ask = dict(model=model, messages=MESSAGES, max_tokens=40)
     if regex is None:
         ask |= dict(max_tokens=8, temperature=1.0, seed=5)
     else:
         ask["extra_body"] = {"structured_outputs": {"regex": regex}}
+    ask |= more
     message = client.chat.completions.create(**ask).choices[0].message
     deltas = [chunk.choices[0].delta for chunk in client.chat.completions.create(**ask, stream=True)]
     streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
@@ -66,12 +70,25 @@ def test_a_block_the_prompt_opened_is_reasoning_until_it_closes(opened_client):
     assert whole == streamed and whole[0] and whole[1] == ""
 
 
-def test_a_constrained_reply_is_the_answer_though_the_prompt_opened_a_block(opened_client):
-    """A response format or structured output holds the reply from its first token: no room to
-    reason, so what it shaped is content, not an unclosed block."""
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"extra_body": {"structured_outputs": {"regex": r"Blue, [a-z]{4}"}}},
+        {"tools": [WEATHER], "tool_choice": "required"},
+    ],
+    ids=["response_format", "structured_outputs", "tool_choice"],
+)
+def test_a_constrained_reply_reasons_freely_before_the_answer_it_holds(opened_client, constraint):
+    """The constraint holds what follows the block the prompt opened: the model's first greedy
+    tokens are those it writes unconstrained, and they are reasoning (the block does not close
+    within them, so no answer yet), whole and streamed."""
     client, model = opened_client
-    for reasoning, content in whole_and_streamed(client, model, r"Blue, [a-z]{4}"):
-        assert reasoning is None and content.startswith("Blue, ")
+    free = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0)
+    reasoning = free.choices[0].message.reasoning_content
+    assert reasoning and "</think>" not in reasoning
+    replies = whole_and_streamed(client, model, None, max_tokens=8, temperature=0, **constraint)
+    assert replies == [(reasoning, "")] * 2
 
 
 @pytest.mark.parametrize(
