@@ -95,8 +95,9 @@ class ModelInfo:
     num_experts: int = 0  # a mixture-of-experts model's experts per layer (0: dense)
     experts_per_token: int = 0  # how many of them each token runs
     tensor_parallel_size: int = 1  # ranks the model is split over
-    # How the chat template teaches the model to call tools: "hermes", "llama3_json", "mistral", or
-    # "" when it does not (a chat's tools are still shown to the model where its template renders them).
+    # How the chat template teaches the model to call tools: "hermes", "qwen3_xml", "glm45",
+    # "llama3_json", "mistral", or "" when it does not (a chat's tools are still shown to the model
+    # where its template renders them).
     tool_call_format: str = ""
     # The special token that opens a reply's calls, in formats that have one (mistral's [TOOL_CALLS]).
     tool_call_token_id: int | None = None

@@ -10,6 +10,9 @@ template that teaches Hermes' format is a grammar: any text, in which each <tool
 model opens must be a call of one of the tools with arguments of its schema, as the template
 writes one (none or one block when parallel_tool_calls is false). The text is left free until the
 model writes the block's opening tag (llguidance's lazy lexemes); then the block is held whole.
+Templates that teach Qwen3-Coder's and GLM-4.5's formats have the same blocks, a call's name and
+each parameter written in tags instead of JSON (ParameterTags): the parameters in their schema's
+order, the required ones always, each value held to its schema.
 On a template that teaches Llama 3's JSON calls it is a grammar too: a reply that opens with `{`
 is one or more {"name", "parameters"} calls of the tools, separated by `;` (one when
 parallel_tool_calls is false), and nothing after them; any other reply is free text. On a
@@ -27,6 +30,7 @@ together are a 400.
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from shared.structured_limit import MAX_STRUCTURED_CHARS
 
@@ -162,17 +166,31 @@ def _mistral_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, c
 def _xml_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
     """Qwen3-Coder's blocks among free text, as Hermes' are: <tool_call>\\n<function=NAME>\\n, then
     each parameter <parameter=KEY>\\nVALUE\\n</parameter>\\n in its schema's order (the required
-    ones always), then </function>\\n</tool_call>. A string's value is any text (one of its enum,
-    where it has one), a boolean's true or false, any other value JSON of its schema (no call token)."""
+    ones always), then </function>\\n</tool_call> (no call token)."""
+    return _tagged_grammar(XML_TAGS, tools, arguments, parallel)
+
+
+def _glm_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
+    """GLM-4.5's blocks among free text: <tool_call>NAME\\n, then each parameter
+    <arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n in its schema's order (the required
+    ones always), then </tool_call> (no call token)."""
+    return _tagged_grammar(GLM_TAGS, tools, arguments, parallel)
+
+
+def _tagged_grammar(tags: "ParameterTags", tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
+    """Blocks among free text whose calls write each parameter in tags. A string's value is any text
+    (one of its enum, where it has one), a boolean's true or false, any other value JSON of its
+    schema."""
+    key_head, key_tail = tags.parameter.split("{key}")
     lines = [
         *_blocks_among_text(parallel),
-        rf'call: opening "\n" ({_functions(tools)}) "</function>\n</tool_call>"',
-        r"KEY: /[^>\n]+/",
-        rf'text_value[lazy]: TEXT "{XML_VALUE_END}"',
-        r'any_parameter: "<parameter=" KEY ">\n" text_value',
+        tags.call_rule.format(functions=_functions(tools)),
+        rf"KEY: /[^{tags.unwritable_in_keys}]+/",
+        f"text_value[lazy]: TEXT {json.dumps(tags.value_end)}",
+        f"any_parameter: {json.dumps(key_head)} KEY {json.dumps(key_tail)} text_value",
     ]
     for i, (tool, schema) in enumerate(zip(tools, arguments, strict=True)):
-        lines += _xml_function_rules(i, tool.function.name, schema)
+        lines += _tagged_function_rules(tags, i, tool.function.name, schema)
     return _lark(lines)
 
 
@@ -192,33 +210,33 @@ def _lark(lines: list[str]) -> dict:
     return {"grammar": "\n".join(lines) + "\n"}
 
 
-def _xml_function_rules(i: int, name: str, schema: dict) -> list[str]:
+def _tagged_function_rules(tags: "ParameterTags", i: int, name: str, schema: dict) -> list[str]:
     """function_i: tool i's name and parameters; any parameters, each a text, where its schema is
-    not an object of named properties that XML can hold one by one."""
-    opening = json.dumps(f"<function={name}>\n")  # a Lark string is a JSON string
+    not an object of named properties that the tags can hold one by one."""
+    opening = json.dumps(tags.function.format(name=name))  # a Lark string is a JSON string
     properties, required = schema.get("properties"), schema.get("required", [])
-    if not _xml_holds(properties, required) or XML_UNHELD & schema.keys():
+    if not _tags_hold(tags, properties, required) or TAGS_UNHELD & schema.keys():
         return [f"function_{i}: {opening} any_parameter*"]
     defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs name
     rules, parts = [], []
     for j, (key, sub) in enumerate(properties.items()):
-        rule, tag = f"parameter_{i}_{j}", json.dumps(f"<parameter={key}>\n")
+        rule, tag = f"parameter_{i}_{j}", json.dumps(tags.parameter.format(key=key))
         parts.append(rule if key in required else f"{rule}?")
-        rules.append(f"{rule}: {tag} {_xml_value(sub, defs)}")
+        rules.append(f"{rule}: {tag} {_tagged_value(tags, sub, defs)}")
     return [f"function_{i}: {opening} {' '.join(parts)}", *rules]
 
 
-def _xml_holds(properties: object, required: object) -> bool:
-    """Whether XML's parameters can hold these properties one by one: named properties, each name
-    one <parameter=KEY> can carry, and a list of the required names. (A property's schema that is
-    not one is the grammar engine's to refuse.)"""
-    writable = isinstance(properties, dict) and not any(map(_unwritable, properties))
+def _tags_hold(tags: "ParameterTags", properties: object, required: object) -> bool:
+    """Whether the tags can hold these properties one by one: named properties, each name one tag
+    can carry, and a list of the required names. (A property's schema that is not one is the
+    grammar engine's to refuse.)"""
+    writable = isinstance(properties, dict) and all(map(tags.writes, properties))
     return writable and isinstance(required, list)
 
 
-def _xml_value(schema: object, defs: dict) -> str:
+def _tagged_value(tags: "ParameterTags", schema: object, defs: dict) -> str:
     """The grammar of a parameter's value and the tag that closes it."""
-    end = f'"{XML_VALUE_END}"'
+    end = json.dumps(tags.value_end)
     kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = kinds if isinstance(kinds, list) else [kinds]
     enum = schema.get("enum") if kinds == ["string"] else None
@@ -227,14 +245,46 @@ def _xml_value(schema: object, defs: dict) -> str:
     if "string" in kinds:
         return "text_value"  # the parser reads it as text (or null, where the schema allows it)
     if kinds == ["boolean"]:
-        return f'("true" | "false" | "True" | "False") {end}'  # Python's, as the template writes them
+        return f'("true" | "false" | "True" | "False") {end}'  # Python's too, as Qwen3-Coder's writes them
     held = {**schema, **defs} if isinstance(schema, dict) else schema
     return f"%json {_json(_compact(held) if isinstance(held, dict) else held)} {end}"
 
 
-def _unwritable(key: str) -> bool:
-    """A parameter name that cannot stand in <parameter=KEY>."""
-    return not key or ">" in key or "\n" in key
+@dataclass(frozen=True)
+class ParameterTags:
+    """How a format of <tool_call> blocks writes a call in tags: the block after its opening tag
+    (`call_rule`, of the `functions` rule), a function's name, each parameter's key, and the end of
+    its value. A key may not hold `unwritable` (its tag would not read back)."""
+
+    call_rule: str
+    function: str  # of {name}
+    parameter: str  # of {key}
+    value_end: str
+    unwritable: str
+
+    def writes(self, key: str) -> bool:
+        return bool(key) and not any(c in key for c in self.unwritable)
+
+    @property
+    def unwritable_in_keys(self) -> str:
+        """`unwritable` as a Lark regex class holds it."""
+        return self.unwritable.replace("\n", "\\n")
+
+
+XML_TAGS = ParameterTags(
+    call_rule=r'call: opening "\n" ({functions}) "</function>\n</tool_call>"',
+    function="<function={name}>\n",
+    parameter="<parameter={key}>\n",
+    value_end="\n</parameter>\n",
+    unwritable=">\n",
+)
+GLM_TAGS = ParameterTags(
+    call_rule='call: opening ({functions}) "</tool_call>"',
+    function="{name}\n",
+    parameter="<arg_key>{key}</arg_key>\n<arg_value>",
+    value_end="</arg_value>\n",
+    unwritable="<\n",
+)
 
 
 def _functions(tools: list[Tool]) -> str:
@@ -263,11 +313,11 @@ AUTO_GRAMMARS = {
     "llama3_json": _llama3_json_grammar,
     "mistral": _mistral_grammar,
     "qwen3_xml": _xml_grammar,
+    "glm45": _glm_grammar,
 }
-# What closes an XML parameter's value; keywords of an object schema that XML's parameters, each
-# held one by one, cannot hold (its calls are then held to any parameters).
-XML_VALUE_END = r"\n</parameter>\n"
-XML_UNHELD = {
+# Keywords of an object schema that parameters in tags, each held one by one, cannot hold (its
+# calls are then held to any parameters).
+TAGS_UNHELD = {
     "anyOf",
     "oneOf",
     "allOf",

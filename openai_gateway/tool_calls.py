@@ -17,6 +17,9 @@ can ask for them:
 - XmlCalls: `tool_choice: "auto"` on a chat template that teaches Qwen3-Coder's format: blocks as
   Hermes', each <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>;
   a value is read by the tool's schema (text where it says string, else JSON).
+- GlmCalls: `tool_choice: "auto"` on a chat template that teaches GLM-4.5's format: blocks as
+  Hermes', each <tool_call>NAME, then <arg_key>KEY</arg_key><arg_value>VALUE</arg_value> for each
+  argument, </tool_call>; a value is read by the tool's schema, as XmlCalls' are.
 - MistralCalls: `tool_choice: "auto"` on a chat template that teaches Mistral's format; text is
   content until the special token [TOOL_CALLS] (the worker keeps it in the text), and after it the
   reply is a JSON array of {"name", "arguments"} calls, sent once the reply is whole. An array that
@@ -42,6 +45,8 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 # Qwen3-Coder's block: <function=NAME> and its parameters, each <parameter=KEY>\nVALUE\n</parameter>.
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 XML_PARAMETER, XML_PARAMETER_END = "<parameter=", "</parameter>"
+# GLM-4.5's block: the name, then each argument <arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>.
+GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 WHITESPACE = re.compile(r"\s*")
 
 
@@ -90,7 +95,7 @@ def parser_for(
             "tool_choice",
         )
     parser = AUTO_PARSERS[template_format]
-    return (lambda: XmlCalls(schemas)) if parser is XmlCalls else parser
+    return (lambda: parser(schemas)) if issubclass(parser, XmlCalls) else parser
 
 
 def call_id() -> str:
@@ -239,9 +244,25 @@ class XmlCalls(HermesCalls):
         if function is None:
             return None
         name, body = function[1], function[2]
+        arguments = _xml_arguments(body, self._properties(name))
+        return None if arguments is None else (name, _compact(arguments))
+
+    def _properties(self, name: str) -> dict:
+        """The named tool's parameters' schemas, by key ({} where it has none)."""
         schema = self._schemas.get(name)
         properties = schema.get("properties") if isinstance(schema, dict) else None
-        arguments = _xml_arguments(body, properties if isinstance(properties, dict) else {})
+        return properties if isinstance(properties, dict) else {}
+
+
+class GlmCalls(XmlCalls):
+    def _read(self, inner: str) -> tuple[str, str] | None:
+        """The name runs to the line's end or the first key (GLM-4.7 writes no newline there)."""
+        ends = [at for at in (inner.find("\n"), inner.find(GLM_KEY)) if at >= 0]
+        cut = min(ends, default=len(inner))
+        name = inner[:cut].strip()
+        if not name:
+            return None
+        arguments = _glm_arguments(inner[cut:], self._properties(name))
         return None if arguments is None else (name, _compact(arguments))
 
 
@@ -314,6 +335,27 @@ def _xml_arguments(body: str, properties: dict) -> dict | None:
         value = body[named + 1 : end].removeprefix("\n").removesuffix("\n")
         arguments[key] = _xml_value(value, properties.get(key, {}))
         at = end + len(XML_PARAMETER_END)
+    return None if body[at:].strip() else arguments
+
+
+def _glm_arguments(body: str, properties: dict) -> dict | None:
+    """The arguments <arg_key>KEY</arg_key> <arg_value>VALUE</arg_value> pairs are, one after
+    another with only space around their tags; None where the body is anything else. Each search
+    starts where the last ended: linear in the body, however a model writes it."""
+    arguments, at = {}, 0
+    while (start := body.find(GLM_KEY, at)) >= 0:
+        if body[at:start].strip():
+            return None
+        key_end = body.find(GLM_KEY_END, start)
+        value = body.find(GLM_VALUE, key_end) if key_end >= 0 else -1
+        end = body.find(GLM_VALUE_END, value) if value >= 0 else -1
+        if end < 0 or body[key_end + len(GLM_KEY_END) : value].strip():
+            return None
+        key = body[start + len(GLM_KEY) : key_end].strip()
+        if not key:
+            return None
+        arguments[key] = _xml_value(body[value + len(GLM_VALUE) : end], properties.get(key, {}))
+        at = end + len(GLM_VALUE_END)
     return None if body[at:].strip() else arguments
 
 
@@ -405,4 +447,5 @@ AUTO_PARSERS = {
     "llama3_json": JsonReplyCalls,
     "mistral": MistralCalls,
     "qwen3_xml": XmlCalls,
+    "glm45": GlmCalls,
 }

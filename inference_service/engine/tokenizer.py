@@ -20,6 +20,8 @@ from shared.errors import FailedPrecondition, InvalidArgument
 LLAMA3_JSON_INSTRUCTION = '"parameters": dictionary of argument name and its value'
 # What Qwen3-Coder's template shows the model a call is made of, in <tool_call> blocks.
 QWEN3_XML_TAGS = ("<tool_call>", "<function=", "<parameter=")
+# What GLM-4.5's template shows the model a call is made of: the name, then each argument's tags.
+GLM45_TAGS = ("<tool_call>", "<arg_key>", "<arg_value>")
 # The variables apply_chat_template sets: a request's own template variables may not replace them.
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 # A thinking model's reasoning block, as Qwen3's and DeepSeek-R1's templates write it.
@@ -124,7 +126,9 @@ class Tokenizer:
     def tool_call_format(self) -> str:
         """The tool-call format the chat template teaches: "hermes" (<tool_call>{...}</tool_call>,
         as Hermes, Qwen2.5 and Qwen3 write calls), "qwen3_xml" (<tool_call> blocks of
-        <function=NAME> and <parameter=KEY> tags, as Qwen3-Coder writes calls), "llama3_json" (the
+        <function=NAME> and <parameter=KEY> tags, as Qwen3-Coder writes calls), "glm45"
+        (<tool_call> blocks of the name, then <arg_key> and <arg_value> tags for each argument, as
+        GLM-4.5 to 4.7 write calls), "llama3_json" (the
         whole reply a JSON object {"name": ..., "parameters": {...}}, as Llama 3.1 to 3.3 write
         calls to the tools a user gives), "mistral" (the special token [TOOL_CALLS], then a JSON
         array of {"name": ..., "arguments": {...}} calls, as Mistral's models write them), or ""
@@ -177,6 +181,8 @@ class Tokenizer:
         source = self._template_source or ""
         if all(tag in source for tag in QWEN3_XML_TAGS):  # before Hermes': its blocks are <tool_call> too
             return "qwen3_xml", None
+        if all(tag in source for tag in GLM45_TAGS):  # so are GLM-4.5's
+            return "glm45", None
         if "<tool_call>" in source:
             return "hermes", None
         if LLAMA3_JSON_INSTRUCTION in source:

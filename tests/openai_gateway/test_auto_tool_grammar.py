@@ -20,7 +20,14 @@ from inference_service.engine.grammars import Grammars, mask_rows
 from inference_service.sampling import Structured
 from openai_gateway.constraints import constrains_from_the_start, constraint
 from openai_gateway.protocol import ChatCompletionRequest
-from openai_gateway.tool_calls import HermesCalls, JsonReplyCalls, MistralCalls, XmlCalls, whole_calls
+from openai_gateway.tool_calls import (
+    GlmCalls,
+    HermesCalls,
+    JsonReplyCalls,
+    MistralCalls,
+    XmlCalls,
+    whole_calls,
+)
 from shared.errors import InvalidArgument
 from tests.conftest import MISTRAL_CALLS_ID, with_mistral_calls_token
 
@@ -135,8 +142,10 @@ NOTED = {  # a tool with a text argument, an optional number and a boolean
 }
 
 
-def xml_takes(grammars: Grammars, text_tokenizer: Tokenizer, parallel: bool, text: str) -> bool:
-    sent = constraint(request(parallel, tools=[WEATHER, CLOCK, NOTED]), tool_format="qwen3_xml")
+def xml_takes(
+    grammars: Grammars, text_tokenizer: Tokenizer, parallel: bool, text: str, tool_format: str = "qwen3_xml"
+) -> bool:
+    sent = constraint(request(parallel, tools=[WEATHER, CLOCK, NOTED]), tool_format=tool_format)
     m = grammars.matcher(Structured("grammar", sent["grammar"]))
     ids = text_tokenizer.encode(text, add_special_tokens=False).ids
     return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
@@ -177,16 +186,60 @@ def test_xml_grammar_takes_free_text_and_calls_of_the_tools_only(
     )
 
 
+def glm_note(body: str) -> str:
+    return f"<tool_call>note\n{body}</tool_call>"
+
+
+def arg(key: str, value: str) -> str:
+    return f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"
+
+
+GLM_CALL = "<tool_call>get_weather\n" + arg("city", "Paris") + arg("days", "3") + "</tool_call>"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(
+    "text, taken_when_parallel, taken_alone",
+    [
+        ("No call is needed.", True, True),
+        ("Sure. " + GLM_CALL, True, True),
+        ("<tool_call>get_time\n</tool_call>", True, True),
+        (glm_note(arg("text", "two\nlines < and </arg_val")), True, True),
+        (glm_note(arg("text", "x") + arg("weight", "2.5")), True, True),
+        (glm_note(arg("text", "x") + arg("pinned", "true")), True, True),
+        (glm_note(arg("text", "x") + arg("pinned", "yes")), False, False),
+        (glm_note(arg("text", "x") + arg("tag", "null")), True, True),
+        (glm_note(arg("weight", "2.5")), False, False),  # text is required
+        (glm_note(arg("weight", "1") + arg("text", "x")), False, False),  # in the schema's order
+        (glm_note(arg("text", "x") + arg("weight", "heavy")), False, False),
+        (GLM_CALL + "\n" + GLM_CALL, True, False),  # two calls: parallel_tool_calls false takes one
+        (GLM_CALL.replace(">3<", ">9<"), False, False),  # past the schema's maximum
+        (GLM_CALL.replace("Paris", "Oslo"), False, False),  # outside the enum
+        (GLM_CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
+        (GLM_CALL.replace(">days<", ">hours<"), False, False),  # no such parameter
+    ],
+)
+def test_glm_grammar_takes_free_text_and_calls_of_the_tools_only(
+    grammars, text_tokenizer, parallel, text, taken_when_parallel, taken_alone
+):
+    assert xml_takes(grammars, text_tokenizer, parallel, text, "glm45") == (
+        taken_when_parallel if parallel else taken_alone
+    )
+
+
+@pytest.mark.parametrize("tool_format, parser", [("qwen3_xml", XmlCalls), ("glm45", GlmCalls)])
 @pytest.mark.parametrize("seed", range(4))
-def test_decoding_under_xml_masks_writes_a_valid_call_once_a_block_opens(grammars, text_tokenizer, seed):
+def test_decoding_under_tagged_masks_writes_a_valid_call_once_a_block_opens(
+    grammars, text_tokenizer, seed, tool_format, parser
+):
     """Random logits after <tool_call>: the masks leave only a call of one of the tools whose
     values the gateway reads into arguments of its schema (tools without free text, which random
     logits would write on and on)."""
-    sent = constraint(request(True), tool_format="qwen3_xml")
+    sent = constraint(request(True), tool_format=tool_format)
     m = grammars.matcher(Structured("grammar", sent["grammar"]))
     text = "<tool_call>"
     assert m.consume_tokens(text_tokenizer.encode(text, add_special_tokens=False).ids)
-    parser = XmlCalls(SCHEMAS)
+    parser = parser(SCHEMAS)
     parsed = parser.feed(text + written_until_closed(m, text_tokenizer, seed))
     parsed += parser.end()
     [call] = whole_calls(parsed.calls)
@@ -219,16 +272,18 @@ PARAMETERS = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("tool_format", ["qwen3_xml", "glm45"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(parameters=PARAMETERS)
 @example(parameters={"properties": {"a": {"type": "string"}}, "required": 5})
 @example(parameters={"properties": {"a": 5, "b": {"type": "integer"}}})
 @example(parameters={"properties": 5})
-def test_any_parameter_schema_makes_an_xml_grammar_or_a_refusal_by_name(grammars, parameters):
-    """Whatever a tool's schema holds, the gateway builds the XML grammar without failing, and the
-    worker compiles it or refuses it with a message (a 400), never an error of its own."""
+@example(parameters={"properties": {"a<b": {"type": "string"}, "c>d": {}}})
+def test_any_parameter_schema_makes_a_tagged_grammar_or_a_refusal_by_name(grammars, parameters, tool_format):
+    """Whatever a tool's schema holds, the gateway builds the grammar of tags without failing, and
+    the worker compiles it or refuses it with a message (a 400), never an error of its own."""
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
-    sent = constraint(request(True, tools=[tool]), tool_format="qwen3_xml")
+    sent = constraint(request(True, tools=[tool]), tool_format=tool_format)
     try:
         grammars.matcher(Structured("grammar", sent["grammar"]))
     except InvalidArgument as e:

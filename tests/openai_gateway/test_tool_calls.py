@@ -2,8 +2,8 @@
 brings the text in, the calls and content sent add up to what the whole text gives; Hermes blocks
 become calls, text around them content, and what is not a call stays text; a Llama 3 reply that
 is JSON calls becomes calls, any other reply content; after Mistral's [TOOL_CALLS] a JSON array of
-calls becomes calls, the text before it content; Qwen3-Coder's XML blocks become calls, their
-values read by the tools' schemas."""
+calls becomes calls, the text before it content; Qwen3-Coder's XML blocks and GLM-4.5's blocks of
+tags become calls, their values read by the tools' schemas."""
 
 import functools
 import itertools
@@ -17,6 +17,7 @@ from openai_gateway.errors import ApiError
 from openai_gateway.protocol import FunctionName, NamedToolChoice
 from openai_gateway.tool_calls import (
     CallList,
+    GlmCalls,
     HermesCalls,
     JsonReplyCalls,
     MistralCalls,
@@ -156,6 +157,73 @@ XML_REPLIES = {
         [],
     ),
 }
+GLM = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>{city}</arg_value>\n{more}</tool_call>"
+GLM_NOTE = "<tool_call>note\n<arg_key>text</arg_key>\n<arg_value>line one</arg_value>\n</tool_call>"
+GLM_REPLIES = {
+    "a call, text before it": (
+        "Let me check.\n"
+        + GLM.format(city="Paris", more="<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"),
+        "Let me check.\n",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    "values by their schema": (
+        GLM.format(
+            city=" 12\n",  # a string, though it reads as JSON: as written, space and all
+            more='<arg_key>hot</arg_key><arg_value>true</arg_value><arg_key>stops</arg_key>\n<arg_value>["Lyon"]</arg_value>',
+        )
+        + "\n"
+        + GLM_NOTE,
+        "",
+        [("get_weather", {"city": " 12\n", "hot": True, "stops": ["Lyon"]}), ("note", {"text": "line one"})],
+    ),
+    "GLM-4.7's name, no newline before the first key": (
+        "<tool_call>note<arg_key>text</arg_key><arg_value>null</arg_value></tool_call>",
+        "",
+        [("note", {"text": None})],
+    ),
+    "a call without arguments": ("<tool_call>get_time\n</tool_call>", "", [("get_time", {})]),
+    "a value that is not JSON, of an unknown tool": (
+        "<tool_call>other\n<arg_key>x</arg_key>\n<arg_value>not json</arg_value>\n</tool_call>",
+        "",
+        [("other", {"x": "not json"})],
+    ),
+    "a block without a name": ("<tool_call>\n</tool_call>", "<tool_call>\n</tool_call>", []),
+    "text between arguments": (
+        GLM.format(city="Rome", more="stray\n<arg_key>days</arg_key><arg_value>3</arg_value>"),
+        GLM.format(city="Rome", more="stray\n<arg_key>days</arg_key><arg_value>3</arg_value>"),
+        [],
+    ),
+    "text between a key and its value": (
+        GLM.format(city="Rome", more="<arg_key>days</arg_key>, <arg_value>3</arg_value>"),
+        GLM.format(city="Rome", more="<arg_key>days</arg_key>, <arg_value>3</arg_value>"),
+        [],
+    ),
+    "keys never closed": (
+        "<tool_call>f\n" + "<arg_key>a\n" * 500 + "</tool_call>",
+        "<tool_call>f\n" + "<arg_key>a\n" * 500 + "</tool_call>",
+        [],
+    ),
+    "a key without its value": (
+        GLM.format(city="Rome", more="<arg_key>days</arg_key>\n"),
+        GLM.format(city="Rome", more="<arg_key>days</arg_key>\n"),
+        [],
+    ),
+    "a value never closed": (
+        GLM.format(city="Rome", more="<arg_key>days</arg_key><arg_value>3"),
+        GLM.format(city="Rome", more="<arg_key>days</arg_key><arg_value>3"),
+        [],
+    ),
+    "an empty key": (
+        GLM.format(city="Rome", more="<arg_key> </arg_key><arg_value>3</arg_value>"),
+        GLM.format(city="Rome", more="<arg_key> </arg_key><arg_value>3</arg_value>"),
+        [],
+    ),
+    "text after the arguments": (
+        GLM.format(city="Rome", more="stray\n"),
+        GLM.format(city="Rome", more="stray\n"),
+        [],
+    ),
+}
 
 
 def _whole(parser, text: str) -> Parsed:
@@ -249,6 +317,7 @@ REPLY_CASES = (
     [(JsonReplyCalls, LLAMA_REPLIES[case]) for case in LLAMA_REPLIES]
     + [(MistralCalls, MISTRAL_REPLIES[case]) for case in MISTRAL_REPLIES]
     + [(functools.partial(XmlCalls, XML_SCHEMAS), XML_REPLIES[case]) for case in XML_REPLIES]
+    + [(functools.partial(GlmCalls, XML_SCHEMAS), GLM_REPLIES[case]) for case in GLM_REPLIES]
 )
 
 
@@ -257,7 +326,8 @@ REPLY_CASES = (
     REPLY_CASES,
     ids=[f"llama: {case}" for case in LLAMA_REPLIES]
     + [f"mistral: {case}" for case in MISTRAL_REPLIES]
-    + [f"xml: {case}" for case in XML_REPLIES],
+    + [f"xml: {case}" for case in XML_REPLIES]
+    + [f"glm: {case}" for case in GLM_REPLIES],
 )
 @given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
 def test_a_reply_is_calls_or_content_in_any_pieces(parser, reply, cuts):
@@ -293,6 +363,8 @@ def test_auto_needs_a_template_that_teaches_a_format_and_the_others_do_not():
     assert parser_for("auto", "mistral", {}) is MistralCalls
     xml = parser_for("auto", "qwen3_xml", XML_SCHEMAS)()
     assert isinstance(xml, XmlCalls) and _calls(_whole(xml, XML_REPLIES["values by their schema"][0]))
+    glm = parser_for("auto", "glm45", XML_SCHEMAS)()
+    assert isinstance(glm, GlmCalls) and _calls(_whole(glm, GLM_REPLIES["values by their schema"][0]))
     assert parser_for("required", "", {}) is CallList
     assert parser_for("none", "hermes", {}) is None
     named = parser_for(NamedToolChoice(type="function", function=FunctionName(name="f")), "", {})

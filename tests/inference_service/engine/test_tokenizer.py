@@ -227,7 +227,7 @@ TOOL_CHAT = [
 ]
 
 
-# Test templates in the style of three families': the format each teaches, what shows the tools
+# Test templates in the style of four families': the format each teaches, what shows the tools
 # are there, and how an earlier call renders.
 TOOL_TEMPLATES = {
     "hermes_chat_template.jinja": ("hermes", "<tools>", '"arguments": {"city": "Zürich"}'),
@@ -235,6 +235,11 @@ TOOL_TEMPLATES = {
         "qwen3_xml",
         "<tools>",
         "<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n</function>",
+    ),
+    "glm45_chat_template.jinja": (
+        "glm45",
+        "<tools>",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n</tool_call>",
     ),
     "llama3_chat_template.jinja": (
         "llama3_json",
