@@ -5,7 +5,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from inference_service.engine import Delta
+from inference_service.engine import Delta, EngineConfig
 from inference_service.server.admission import Admission
 from inference_service.server.prometheus_metrics import WorkerMetrics
 from inference_service.server.servicer import InferenceServicer
@@ -18,6 +18,7 @@ class ScriptedEngine:
 
     tokenizer = None
     max_model_len = 64
+    config = EngineConfig(model="scripted")
 
     def __init__(self, deltas: list[Delta]):
         self.deltas = deltas
