@@ -42,6 +42,8 @@ class AsyncClient:
         messages: Sequence[convert.Message] | None = None,
         tools: Sequence[convert.Tool] | None = None,
         chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
+        add_generation_prompt: bool = True,
         adapter: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
@@ -49,9 +51,9 @@ class AsyncClient:
     ) -> AsyncStream:
         """Starts a generation from exactly one of prompt, token_ids or messages, with `adapter`
         (None = the base model); convert.generate_request says what messages, tools,
-        chat_template_kwargs and the
-        sampling arguments (SamplingParams' fields and one output constraint) take."""
-        chat = convert.ChatOptions(tools, chat_template_kwargs)
+        chat_template_kwargs, continue_final_message, add_generation_prompt and the sampling
+        arguments (SamplingParams' fields and one output constraint) take."""
+        chat = convert.ChatOptions(tools, chat_template_kwargs, continue_final_message, add_generation_prompt)
         request = convert.generate_request(prompt, token_ids, messages, chat, adapter, request_id, sampling)
         return AsyncStream(self._connection.invoke("worker", "Generate", request, timeout, adapter))
 

@@ -81,6 +81,8 @@ class ChatOptions:
 
     tools: Sequence[Tool] | None = None
     template_kwargs: dict | None = None  # more variables for the chat template
+    continue_final_message: bool = False  # the reply continues the final message, left open
+    add_generation_prompt: bool = True  # False: the prompt ends with the last message's turn
 
 
 def generate_request(
@@ -99,7 +101,10 @@ def generate_request(
     "tool_calls" or tool message with "tool_call_id" (and "name"); `chat.tools` are OpenAI's
     {"type": "function", "function": {"name", "description", "parameters"}} or the bare function,
     shown to the model by its chat template; `chat.template_kwargs` more variables for that
-    template, such as {"enable_thinking": False} (vLLM's chat_template_kwargs).
+    template, such as {"enable_thinking": False} (vLLM's chat_template_kwargs);
+    `chat.continue_final_message` renders the final message open, so the reply continues it (an
+    answer begun for the model), with no generation prompt; `chat.add_generation_prompt` False
+    renders none either (transformers' and vLLM's two options).
 
     `sampling` takes SamplingParams' fields: max_tokens, temperature, top_k, top_p, min_p,
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed,
@@ -114,7 +119,8 @@ def generate_request(
         raise ValueError(f"give exactly one of prompt, token_ids or messages (got {given or 'none'})")
     if chat != ChatOptions() and messages is None:
         raise ValueError(
-            "tools and chat_template_kwargs go with messages: a chat template takes them, a prompt cannot"
+            "tools, chat_template_kwargs, continue_final_message and add_generation_prompt go with "
+            "messages: a chat template takes them, a prompt cannot"
         )
     request = inference_pb.GenerateRequest(
         adapter=adapter or "", request_id=request_id or "", sampling=sampling_params(sampling)
@@ -128,6 +134,8 @@ def generate_request(
         request.chat.tools.extend(tool(t, f"tools[{i}]") for i, t in enumerate(chat.tools or ()))
         if chat.template_kwargs is not None:
             request.chat.template_kwargs = _json_text(chat.template_kwargs, "chat_template_kwargs")
+        request.chat.continue_final_message = chat.continue_final_message
+        request.chat.omit_generation_prompt = not chat.add_generation_prompt
     return request
 
 

@@ -37,6 +37,9 @@ async def chat(request: Request, body: ChatCompletionRequest, upstream: Upstream
     given = {"messages": [m.sdk_message() for m in body.messages]}
     if body.chat_template_kwargs is not None:
         given["chat_template_kwargs"] = body.chat_template_kwargs
+    given |= dict(
+        continue_final_message=body.continue_final_message, add_generation_prompt=body.add_generation_prompt
+    )
     if parser is not None:
         given["tools"] = [
             tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools
@@ -54,9 +57,12 @@ def reasoning_reader(info: ModelInfo, body: ChatCompletionRequest) -> Callable[[
     """The reader of each choice's reasoning block, where the template has one. The worker holds a
     constraint after the block, unless it constrains reasoning too: then a reply the request's own
     constraint holds from its first token has no room to reason, so it is read as one that would
-    open its block itself, and the answer the constraint shaped is content."""
+    open its block itself, and the answer the constraint shaped is content. A reply that continues
+    the final message, or follows a prompt that opens no reply, goes on as it was: all content."""
     if info.reasoning_format not in REASONING:
         return None
+    if not body.opens_a_reply:
+        return Reasoning.all_content
     shaped = info.constrains_reasoning and constrains_from_the_start(body)
     return REASONING["think" if shaped else info.reasoning_format]
 

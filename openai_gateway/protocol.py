@@ -3,8 +3,8 @@
 OpenAI refuses arguments it does not know ("Unrecognized request argument supplied: x"); so do we,
 and we also refuse the OpenAI parameters we do not implement unless they hold their neutral value,
 so a request never gets silently different sampling than it asked for. top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids and (chat) chat_template_kwargs are accepted as
-extensions (vLLM's extra_body).
+repetition_penalty, ignore_eos, stop_token_ids and (chat) chat_template_kwargs,
+continue_final_message and add_generation_prompt are accepted as extensions (vLLM's extra_body).
 """
 
 from typing import Annotated, Any, Literal
@@ -275,6 +275,27 @@ class ChatCompletionRequest(Sampling):
     parallel_tool_calls: bool = True
     # vLLM's extension: more variables for the chat template ({"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extensions: the final message rendered open, so the reply continues it (an answer
+    # begun for the model); the prompt rendered without the turn that opens a reply
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_end_of_the_prompt(self):
+        asked = "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt
+        if self.continue_final_message and asked:
+            raise ApiError(
+                400,
+                "`continue_final_message` and `add_generation_prompt` cannot both be true: the prompt "
+                "either opens a new reply or continues the final message",
+                "continue_final_message",
+            )
+        return self
+
+    @property
+    def opens_a_reply(self) -> bool:
+        """Whether the prompt ends with the turn that opens a reply (where a thinking model reasons)."""
+        return self.add_generation_prompt and not self.continue_final_message
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

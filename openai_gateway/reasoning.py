@@ -32,6 +32,14 @@ class Reasoning:
         self._space = ""  # while opening: the reply's space so far
         self._held = ""  # a start of the tag looked for next; before content, its space
 
+    @classmethod
+    def all_content(cls) -> "Reasoning":
+        """The reader of a reply that holds no block (one that continues the final message): all
+        of it is content, and the message still carries `reasoning_content` (null)."""
+        reader = cls(opened=False)
+        reader._state = _State.CONTENT
+        return reader
+
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) the next piece of the text adds."""
         if self._state is _State.OPENING:

@@ -14,6 +14,7 @@ import tokenizers
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from inference_service.engine import final_message
 from shared.errors import FailedPrecondition, InvalidArgument
 
 # What the Llama 3.1 to 3.3 chat templates tell the model a call of a tool the user gives is.
@@ -153,18 +154,23 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt for a conversation, as transformers' apply_chat_template(tokenize=False) renders
         it; `tools`: the functions the model may call, as OpenAI's request lists them;
-        `template_kwargs`: more variables for the template (transformers' **kwargs)."""
+        `template_kwargs`: more variables for the template (transformers' **kwargs);
+        `continue_final_message`: the final message left open, the prompt cut where its text ends
+        (final_message.py; a generation prompt after it is cut too)."""
         if self._template is None:
             raise FailedPrecondition(f"model folder {self._model_dir} has no chat template")
         _check_messages(messages)
         _check_template_kwargs(template_kwargs or {})
         if self._tool_call_format == "mistral":
             messages = [_with_mistral_ids(message) for message in messages]
+        if continue_final_message:
+            messages, mark = final_message.marked(messages)
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 **(template_kwargs or {}),
                 messages=messages,
                 tools=tools,
@@ -174,6 +180,7 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise InvalidArgument(f"chat template of {self._model_dir} failed on these messages: {e}") from e
+        return final_message.cut_at(rendered, mark) if continue_final_message else rendered
 
     def _tool_calls(self, special: dict[str, int]) -> tuple[str, int | None]:
         """(tool_call_format, tool_call_token_id), read from the template and the vocabulary's

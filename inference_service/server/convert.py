@@ -47,7 +47,7 @@ def request(
     prompt is tokenized last, in time proportional to a prompt already bounded by `max_model_len`.
     The client's request_id is a label only (logged, and echoed in Final), so no caller can
     collide with another's. A chat reply's constraint follows the template's reasoning block,
-    unless `constrain_reasoning` (EngineConfig's)."""
+    unless `constrain_reasoning` (EngineConfig's) or the chat renders no generation prompt."""
     label = message.request_id
     if len(label) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id is {len(label)} characters long; at most {MAX_REQUEST_ID_CHARS}")
@@ -55,11 +55,19 @@ def request(
     params = sampling(message.sampling)
     prompt = prompt_ids(message, tokenizer, max_model_len)
     reasoning = tokenizer.reasoning_format if tokenizer and not constrain_reasoning else ""
-    if params.structured and reasoning and message.WhichOneof("input") == "chat":
+    if params.structured and reasoning and _opens_a_reply(message):
         params = replace(params, structured=replace(params.structured, after_reasoning=reasoning))
     if message.sampling.max_tokens_to_limit and not message.sampling.HasField("max_tokens"):
         params = replace(params, max_tokens=max(max_model_len - len(prompt), 1))
     return Request(prompt, adapter, params, worker_request_id)
+
+
+def _opens_a_reply(message: pb.GenerateRequest) -> bool:
+    """Whether the prompt is a chat rendered with its generation prompt, where a thinking model's
+    reply opens with its reasoning (a continued final message goes on as it was)."""
+    chat = message.chat
+    opened = not (chat.continue_final_message or chat.omit_generation_prompt)
+    return message.WhichOneof("input") == "chat" and opened
 
 
 def sampling(message: pb.SamplingParams) -> SamplingParams:

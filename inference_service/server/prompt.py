@@ -51,7 +51,11 @@ def _chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, max_model_len: int) -
     rendered = [_message(m, f"chat.messages[{i}]") for i, m in enumerate(messages)]
     kwargs = _json_object(chat.template_kwargs, "chat.template_kwargs") if chat.template_kwargs else None
     return tokenizer.apply_chat_template(
-        rendered, add_generation_prompt=True, tools=tools, template_kwargs=kwargs
+        rendered,
+        add_generation_prompt=not chat.omit_generation_prompt,
+        tools=tools,
+        template_kwargs=kwargs,
+        continue_final_message=chat.continue_final_message,
     )
 
 

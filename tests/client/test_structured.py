@@ -111,10 +111,17 @@ def test_message_and_tool_keys_are_checked_before_sending():
     with loramux.Client(worker=UNREACHABLE, timeout=1) as client:
         with pytest.raises(ValueError, match=r"messages\[0\] has unknown keys \['contents'\]"):
             client.generate(messages=[{"role": "user", "contents": "hi"}])
-        with pytest.raises(ValueError, match="tools and chat_template_kwargs go with messages"):
+        goes_with_messages = (
+            "tools, chat_template_kwargs, continue_final_message and add_generation_prompt go with"
+        )
+        with pytest.raises(ValueError, match=goes_with_messages):
             client.generate("hi", tools=[WEATHER])
-        with pytest.raises(ValueError, match="tools and chat_template_kwargs go with messages"):
+        with pytest.raises(ValueError, match=goes_with_messages):
             client.generate(token_ids=[1], chat_template_kwargs={"enable_thinking": False})
+        with pytest.raises(ValueError, match=goes_with_messages):
+            client.generate("The sky is", continue_final_message=True)
+        with pytest.raises(ValueError, match=goes_with_messages):
+            client.generate("The sky is", add_generation_prompt=False)
         with pytest.raises(ValueError, match=r"tools\[0\]\.function has unknown keys \['params'\]"):
             client.generate(messages=[("user", "hi")], tools=[{"function": {"name": "f", "params": {}}}])
         with pytest.raises(ValueError, match="needs 'role' and 'content'"):

@@ -3,6 +3,7 @@ the same requests through the loramux SDK (greedy: the same tokens)."""
 
 import asyncio
 
+import openai
 import pytest
 
 from .conftest import ADAPTERS, CONTEXT, MESSAGES
@@ -212,3 +213,53 @@ def test_presence_and_frequency_penalties_turn_a_repeating_text_as_the_sdk_does(
     expected = sdk.complete(**ask, **{penalty: 2.0})
     got = client.completions.create(model=base_name, **ask, **{penalty: 2.0}).choices[0]
     assert got.text == expected.text and expected.token_ids != plain.token_ids
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}],
+    ids=["continue", "continue-without-generation-prompt"],
+)
+def test_a_continued_answer_is_the_sdks_greedy_continuation_of_transformers_prompt(
+    client, sdk, base_name, chat_model, options
+):
+    """vLLM's continue_final_message: the prompt is the chat as transformers renders it with the
+    final message open, and the reply goes on from the answer begun for the model."""
+    from transformers import AutoTokenizer
+
+    begun = [*MESSAGES, {"role": "assistant", "content": "The sky is"}]
+    reference = AutoTokenizer.from_pretrained(chat_model)
+    prompt = reference.apply_chat_template(begun, tokenize=False, continue_final_message=True)
+    assert prompt.endswith("<|im_start|>assistant\nThe sky is")
+    expected = sdk.complete(token_ids=reference.encode(prompt), max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(
+        model=base_name, messages=begun, max_tokens=8, temperature=0, extra_body=options
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+
+
+def test_a_prompt_without_a_generation_prompt_ends_with_the_last_turn(client, sdk, base_name, chat_model):
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(chat_model).apply_chat_template(MESSAGES, tokenize=False)
+    expected = sdk.complete(prompt, max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(
+        model=base_name,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"add_generation_prompt": False},
+    )
+    assert (reply.choices[0].message.content, reply.usage.prompt_tokens) == (
+        expected.text,
+        expected.prompt_tokens,
+    )
+
+
+def test_continuing_the_final_message_and_opening_a_reply_at_once_is_a_400(client, base_name):
+    both = {"continue_final_message": True, "add_generation_prompt": True}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=base_name, messages=MESSAGES, max_tokens=4, extra_body=both)
+    assert raised.value.body["param"] == "continue_final_message"
+    assert "cannot both be true" in raised.value.body["message"]

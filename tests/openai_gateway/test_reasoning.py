@@ -86,3 +86,11 @@ def test_a_reply_is_read_as_the_worker_holds_its_constraint(
 def test_a_template_without_a_block_has_no_reader():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Sky?"}])
     assert reasoning_reader(info("", False), body) is None
+
+
+@pytest.mark.parametrize("extra", [{"continue_final_message": True}, {"add_generation_prompt": False}])
+def test_a_reply_to_a_prompt_that_opens_none_is_all_content(extra):
+    messages = [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue"}]
+    body = ChatCompletionRequest(model="m", messages=messages, **extra)
+    reader = reasoning_reader(info("think_opened", False), body)()
+    assert reader.feed("<think>a</think>b") == ("", "<think>a</think>b") and reader.end() == ("", "")

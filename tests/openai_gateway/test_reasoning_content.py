@@ -6,6 +6,7 @@ the block, the block's text left free; on a worker started with --constrain-reas
 whole reply, so a reply it holds from the first token is the answer. The model has random weights,
 so a regex constraint on such a worker makes it write the reply where a test needs one."""
 
+import re
 from pathlib import Path
 
 import openai
@@ -143,3 +144,18 @@ def test_an_answer_sent_back_with_its_reasoning_renders_it(think_client):
         messages = [*MESSAGES, sent, {"role": "user", "content": "And at night?"}]
         usage[name] = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage
     assert usage["with"].prompt_tokens > usage["without"].prompt_tokens  # the reasoning was rendered
+
+
+def test_a_continued_answer_is_content_though_the_template_reasons(opened_client):
+    """The prompt continues the answer begun for the model and opens no block: the reply is
+    content, and its constraint holds it from its first token."""
+    client, model = opened_client
+    begun = [*MESSAGES, {"role": "assistant", "content": "Blue"}]
+    for reasoning, content in whole_and_streamed(
+        client,
+        model,
+        r", [a-z]{4}",
+        messages=begun,
+        extra_body={"structured_outputs": {"regex": r", [a-z]{4}"}, "continue_final_message": True},
+    ):
+        assert reasoning is None and re.fullmatch(r", [a-z]{4}", content)

@@ -150,3 +150,13 @@ def test_a_chat_requests_constraint_follows_the_templates_reasoning_block(opened
     assert after_reasoning_of(opened_tokenizer, token_ids=pb.TokenIds(ids=[1, 2])) == ""
     assert after_reasoning_of(opened_tokenizer, constrain_reasoning=True, chat=CHAT) == ""
     assert after_reasoning_of(tokenizer, chat=CHAT) == ""  # the default model's template
+
+
+def test_a_chat_that_opens_no_reply_holds_it_whole(opened_tokenizer):
+    """A continued final message goes on as it was, and a prompt without the generation prompt
+    opened no block: the constraint holds the reply from its first token."""
+    begun = pb.ChatInput(messages=[*CHAT.messages, pb.ChatMessage(role="assistant", content="Blue")])
+    begun.continue_final_message = True
+    assert after_reasoning_of(opened_tokenizer, chat=begun) == ""
+    closed = pb.ChatInput(messages=CHAT.messages, omit_generation_prompt=True)
+    assert after_reasoning_of(opened_tokenizer, chat=closed) == ""

@@ -410,3 +410,45 @@ def test_template_kwargs_reach_the_template_and_may_not_replace_its_own(default_
             tokenizer.apply_chat_template(chat, template_kwargs={name: []})
     with pytest.raises(InvalidArgument, match="variable 'not a name' is not a name"):
         tokenizer.apply_chat_template(chat, template_kwargs={"not a name": 1})
+
+
+# A template that trims each message's text, as Llama 3's do.
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template_file", ["default", "trimming", "hermes_chat_template.jinja"])
+@pytest.mark.parametrize("answer", ["The sky is", "The sky is ", "Sky:\n- blue\n"])
+def test_a_continued_final_message_renders_as_transformers_renders_it(
+    default_model_dir, tmp_path, reference, template_file, answer
+):
+    """The prompt ends where the answer begun for the model ends (its space trimmed where the
+    template trims it), with no end of turn and no generation prompt after it."""
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    templates = {
+        "default": (default_model_dir / "chat_template.jinja").read_text(),
+        "trimming": TRIMMING_TEMPLATE,
+    }
+    template = templates.get(template_file) or (Path(__file__).parents[2] / template_file).read_text()
+    (tmp_path / "chat_template.jinja").write_text(template)
+    chat = [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": answer}]
+    ours = Tokenizer.from_dir(tmp_path).apply_chat_template(chat, continue_final_message=True)
+    theirs = reference.apply_chat_template(
+        chat, chat_template=template, tokenize=False, continue_final_message=True
+    )
+    assert ours == theirs
+    assert ours.endswith(answer.rstrip() if template_file == "trimming" else answer)
+
+
+def test_a_final_message_the_template_leaves_out_cannot_be_continued(default_model_dir, tmp_path):
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}"
+    )
+    chat = [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue"}]
+    with pytest.raises(InvalidArgument, match="leaves out the end of the final message"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template(chat, continue_final_message=True)
+    with pytest.raises(InvalidArgument, match="needs a final message to continue"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([], continue_final_message=True)
