@@ -142,7 +142,7 @@ NOTED = {  # a tool with a text argument, an optional number and a boolean
 }
 
 
-def xml_takes(
+def tagged_takes(
     grammars: Grammars, text_tokenizer: Tokenizer, parallel: bool, text: str, tool_format: str = "qwen3_xml"
 ) -> bool:
     sent = constraint(request(parallel, tools=[WEATHER, CLOCK, NOTED]), tool_format=tool_format)
@@ -155,35 +155,26 @@ def note(body: str) -> str:
     return f"<tool_call>\n<function=note>\n{body}</function>\n</tool_call>"
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-@pytest.mark.parametrize(
-    "text, taken_when_parallel, taken_alone",
-    [
-        ("No call is needed.", True, True),
-        ("Sure. " + XML_CALL, True, True),
-        ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>", True, True),
-        (note("<parameter=text>\ntwo\nlines < and </param\n</parameter>\n"), True, True),
-        (note("<parameter=text>\nx\n</parameter>\n<parameter=weight>\n2.5\n</parameter>\n"), True, True),
-        (note("<parameter=text>\nx\n</parameter>\n<parameter=pinned>\nTrue\n</parameter>\n"), True, True),
-        (note("<parameter=text>\nx\n</parameter>\n<parameter=pinned>\nyes\n</parameter>\n"), False, False),
-        (note("<parameter=text>\nx\n</parameter>\n<parameter=tag>\nnull\n</parameter>\n"), True, True),
-        (note("<parameter=text>\nx\n</parameter>\n<parameter=tag>\n[1]\n</parameter>\n"), True, True),
-        (note("<parameter=weight>\n2.5\n</parameter>\n"), False, False),  # text is required
-        (note("<parameter=weight>\n1\n</parameter>\n<parameter=text>\nx\n</parameter>\n"), False, False),
-        (note("<parameter=text>\nx\n</parameter>\n<parameter=weight>\nheavy\n</parameter>\n"), False, False),
-        (XML_CALL + "\n" + XML_CALL, True, False),  # two calls: parallel_tool_calls false takes one
-        (XML_CALL.replace("\n3\n", "\n9\n"), False, False),  # past the schema's maximum
-        (XML_CALL.replace("Paris", "Oslo"), False, False),  # outside the enum
-        (XML_CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
-        (XML_CALL.replace("=days", "=hours"), False, False),  # no such parameter
-    ],
-)
-def test_xml_grammar_takes_free_text_and_calls_of_the_tools_only(
-    grammars, text_tokenizer, parallel, text, taken_when_parallel, taken_alone
-):
-    assert xml_takes(grammars, text_tokenizer, parallel, text) == (
-        taken_when_parallel if parallel else taken_alone
-    )
+# (a reply, whether the grammar takes it with parallel_tool_calls, and without), in each format of tags
+XML_CASES = [
+    ("No call is needed.", True, True),
+    ("Sure. " + XML_CALL, True, True),
+    ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>", True, True),
+    (note("<parameter=text>\ntwo\nlines < and </param\n</parameter>\n"), True, True),
+    (note("<parameter=text>\nx\n</parameter>\n<parameter=weight>\n2.5\n</parameter>\n"), True, True),
+    (note("<parameter=text>\nx\n</parameter>\n<parameter=pinned>\nTrue\n</parameter>\n"), True, True),
+    (note("<parameter=text>\nx\n</parameter>\n<parameter=pinned>\nyes\n</parameter>\n"), False, False),
+    (note("<parameter=text>\nx\n</parameter>\n<parameter=tag>\nnull\n</parameter>\n"), True, True),
+    (note("<parameter=text>\nx\n</parameter>\n<parameter=tag>\n[1]\n</parameter>\n"), True, True),
+    (note("<parameter=weight>\n2.5\n</parameter>\n"), False, False),  # text is required
+    (note("<parameter=weight>\n1\n</parameter>\n<parameter=text>\nx\n</parameter>\n"), False, False),
+    (note("<parameter=text>\nx\n</parameter>\n<parameter=weight>\nheavy\n</parameter>\n"), False, False),
+    (XML_CALL + "\n" + XML_CALL, True, False),  # two calls: parallel_tool_calls false takes one
+    (XML_CALL.replace("\n3\n", "\n9\n"), False, False),  # past the schema's maximum
+    (XML_CALL.replace("Paris", "Oslo"), False, False),  # outside the enum
+    (XML_CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
+    (XML_CALL.replace("=days", "=hours"), False, False),  # no such parameter
+]
 
 
 def glm_note(body: str) -> str:
@@ -195,34 +186,35 @@ def arg(key: str, value: str) -> str:
 
 
 GLM_CALL = "<tool_call>get_weather\n" + arg("city", "Paris") + arg("days", "3") + "</tool_call>"
+GLM_CASES = [
+    ("No call is needed.", True, True),
+    ("Sure. " + GLM_CALL, True, True),
+    ("<tool_call>get_time\n</tool_call>", True, True),
+    (glm_note(arg("text", "two\nlines < and </arg_val")), True, True),
+    (glm_note(arg("text", "x") + arg("weight", "2.5")), True, True),
+    (glm_note(arg("text", "x") + arg("pinned", "true")), True, True),
+    (glm_note(arg("text", "x") + arg("pinned", "yes")), False, False),
+    (glm_note(arg("text", "x") + arg("tag", "null")), True, True),
+    (glm_note(arg("weight", "2.5")), False, False),  # text is required
+    (glm_note(arg("weight", "1") + arg("text", "x")), False, False),  # in the schema's order
+    (glm_note(arg("text", "x") + arg("weight", "heavy")), False, False),
+    (GLM_CALL + "\n" + GLM_CALL, True, False),  # two calls: parallel_tool_calls false takes one
+    (GLM_CALL.replace(">3<", ">9<"), False, False),  # past the schema's maximum
+    (GLM_CALL.replace("Paris", "Oslo"), False, False),  # outside the enum
+    (GLM_CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
+    (GLM_CALL.replace(">days<", ">hours<"), False, False),  # no such parameter
+]
 
 
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize(
-    "text, taken_when_parallel, taken_alone",
-    [
-        ("No call is needed.", True, True),
-        ("Sure. " + GLM_CALL, True, True),
-        ("<tool_call>get_time\n</tool_call>", True, True),
-        (glm_note(arg("text", "two\nlines < and </arg_val")), True, True),
-        (glm_note(arg("text", "x") + arg("weight", "2.5")), True, True),
-        (glm_note(arg("text", "x") + arg("pinned", "true")), True, True),
-        (glm_note(arg("text", "x") + arg("pinned", "yes")), False, False),
-        (glm_note(arg("text", "x") + arg("tag", "null")), True, True),
-        (glm_note(arg("weight", "2.5")), False, False),  # text is required
-        (glm_note(arg("weight", "1") + arg("text", "x")), False, False),  # in the schema's order
-        (glm_note(arg("text", "x") + arg("weight", "heavy")), False, False),
-        (GLM_CALL + "\n" + GLM_CALL, True, False),  # two calls: parallel_tool_calls false takes one
-        (GLM_CALL.replace(">3<", ">9<"), False, False),  # past the schema's maximum
-        (GLM_CALL.replace("Paris", "Oslo"), False, False),  # outside the enum
-        (GLM_CALL.replace("get_weather", "get_wether"), False, False),  # no such tool
-        (GLM_CALL.replace(">days<", ">hours<"), False, False),  # no such parameter
-    ],
+    "tool_format, text, taken_when_parallel, taken_alone",
+    [("qwen3_xml", *case) for case in XML_CASES] + [("glm45", *case) for case in GLM_CASES],
 )
-def test_glm_grammar_takes_free_text_and_calls_of_the_tools_only(
-    grammars, text_tokenizer, parallel, text, taken_when_parallel, taken_alone
+def test_tagged_grammars_take_free_text_and_calls_of_the_tools_only(
+    grammars, text_tokenizer, parallel, tool_format, text, taken_when_parallel, taken_alone
 ):
-    assert xml_takes(grammars, text_tokenizer, parallel, text, "glm45") == (
+    assert tagged_takes(grammars, text_tokenizer, parallel, text, tool_format) == (
         taken_when_parallel if parallel else taken_alone
     )
 
