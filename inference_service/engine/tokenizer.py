@@ -14,7 +14,7 @@ import tokenizers
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from inference_service.engine import final_message
+from inference_service.engine.final_message import cut_at, marked
 from shared.errors import FailedPrecondition, InvalidArgument
 
 # What the Llama 3.1 to 3.3 chat templates tell the model a call of a tool the user gives is.
@@ -168,7 +168,7 @@ class Tokenizer:
         if self._tool_call_format == "mistral":
             messages = [_with_mistral_ids(message) for message in messages]
         if continue_final_message:
-            messages, mark = final_message.marked(messages)
+            messages, mark = marked(messages)
         try:
             rendered = self._template.render(
                 **(template_kwargs or {}),
@@ -180,7 +180,7 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise InvalidArgument(f"chat template of {self._model_dir} failed on these messages: {e}") from e
-        return final_message.cut_at(rendered, mark) if continue_final_message else rendered
+        return cut_at(rendered, mark) if continue_final_message else rendered
 
     def _tool_calls(self, special: dict[str, int]) -> tuple[str, int | None]:
         """(tool_call_format, tool_call_token_id), read from the template and the vocabulary's
