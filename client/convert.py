@@ -106,7 +106,7 @@ def generate_request(
     answer begun for the model), with no generation prompt; `chat.add_generation_prompt` False
     renders none either (transformers' and vLLM's two options).
 
-    `sampling` takes SamplingParams' fields: max_tokens, temperature, top_k, top_p, min_p,
+    `sampling` takes SamplingParams' fields: max_tokens, min_tokens, temperature, top_k, top_p, min_p,
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed,
     stop, stop_token_ids, ignore_eos, logprobs, max_tokens_to_limit;
     and at most one output constraint (ValueError naming them when more are given): json_schema

@@ -88,6 +88,7 @@ def _is_real(v: object) -> bool:
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before it holds this many
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -112,6 +113,11 @@ class SamplingParams:
                 f"sampling parameter logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}"
             )
         _check_stop_sizes(self.stop, self.stop_token_ids)
+        if self.min_tokens and self.structured is not None:
+            raise InvalidArgument(
+                "sampling parameter min_tokens cannot go with an output constraint: the constraint "
+                "ends the output where it is whole"
+            )
         for name, (valid, allowed) in _CHECKS.items():
             value = getattr(self, name)
             if not valid(value):  # reprlib: a client's value is quoted short, never whole
@@ -121,6 +127,7 @@ class SamplingParams:
 
 _CHECKS = {  # field: (is the value valid, what is allowed)
     "max_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "min_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "temperature": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
     "top_k": (lambda v: _is_int(v) and v >= 0, "0 (off) or an integer >= 1"),
     "top_p": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),

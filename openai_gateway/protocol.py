@@ -3,7 +3,7 @@
 OpenAI refuses arguments it does not know ("Unrecognized request argument supplied: x"); so do we,
 and we also refuse the OpenAI parameters we do not implement unless they hold their neutral value,
 so a request never gets silently different sampling than it asked for. top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids and (chat) chat_template_kwargs,
+repetition_penalty, ignore_eos, stop_token_ids, min_tokens and (chat) chat_template_kwargs,
 continue_final_message and add_generation_prompt are accepted as extensions (vLLM's extra_body).
 """
 
@@ -131,6 +131,7 @@ class Sampling(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     # Output constraints: OpenAI's, and vLLM's extension.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -186,6 +187,7 @@ class Sampling(BaseModel):
             "logit_bias": self.logit_bias,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
+            "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
         }

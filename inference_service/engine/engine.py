@@ -57,9 +57,8 @@ class Engine:
         self.runner = in_passing_thread(ModelRunner.start, config)  # its parallel ops' team ends there
         model = self.runner.model_config
         tokenizer_json = Path(config.model) / "tokenizer.json"
-        has_tokenizer = tokenizer_json.is_file()
-        self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
+        self.tokenizer = Tokenizer.from_dir(config.model) if tokenizer_json.is_file() else None
+        self.eos_token_ids = eos = self.tokenizer.eos_token_ids if self.tokenizer else model.eos_token_ids
         self.grammars = Grammars(tokenizer_json, model.vocab_size, eos, config.grammar_compile_timeout_s)
         shard = self.runner.parallel.shard
         self.loader = loader or LocalAdapterLoader(
@@ -174,7 +173,8 @@ class Engine:
     def _enqueue(self, request: Request, sink: Sink, matcher: object | None) -> None:
         # the content it keeps to its end
         digest = self.loader.digest_of(request.adapter) if request.adapter is not None else None
-        seq = Sequence.of(request, generator_for(request.params, self.runner.device), digest, matcher)
+        generator = generator_for(request.params, self.runner.device)
+        seq = Sequence.of(request, generator, digest, matcher, self.eos_token_ids)
         self.streams.open(seq, sink)
         self._inbox.post(lambda: self.scheduler.add(seq))
 

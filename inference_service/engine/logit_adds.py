@@ -1,8 +1,8 @@
 """What a request adds to a few entries of its logits at each step: its logit bias, fixed for its
-life, and its presence and frequency penalties (OpenAI's: -(frequency × count + presence) at each
-token its output holds so far), kept up to date as each token joins the output. The sampler reads
-a row's entries as they stand, never counting the output again: a step costs O(rows), not
-O(every row's output)."""
+life (its ends banned too, before its output holds min_tokens), and its presence and frequency
+penalties (OpenAI's: -(frequency × count + presence) at each token its output holds so far), kept
+up to date as each token joins the output. The sampler reads a row's entries as they stand, never
+counting the output again: a step costs O(rows), not O(every row's output)."""
 
 from dataclasses import dataclass
 
@@ -27,6 +27,20 @@ def bias_row(params: SamplingParams) -> SparseRow | None:
         return None
     ids, values = zip(*params.logit_bias, strict=True)
     return SparseRow(np.array(ids, dtype=np.int64), np.array(values, dtype=np.float32))
+
+
+def early_bias(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> SparseRow | None:
+    """The logit bias of a request's first min_tokens tokens: its own, and its ends banned (its
+    stop token ids, and EOS unless it ignores EOS); None without min_tokens."""
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    own = bias_row(params)
+    if not (params.min_tokens and ends):
+        return own
+    ids = np.array(sorted(ends), dtype=np.int64)  # [e]
+    banned = SparseRow(ids, np.full(len(ids), -np.inf, dtype=np.float32))
+    if own is None:
+        return banned
+    return SparseRow(np.concatenate([own.ids, banned.ids]), np.concatenate([own.values, banned.values]))
 
 
 class OutputPenalties:

@@ -27,6 +27,10 @@ class Request:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {max_model_len}"
             )
+        if params.min_tokens > params.max_tokens:
+            raise InvalidArgument(
+                f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})"
+            )
         if params.stop and not has_tokenizer:
             raise InvalidArgument("stop strings need a tokenizer; this model folder has no tokenizer.json")
         if params.structured and not has_tokenizer:

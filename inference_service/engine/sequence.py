@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.engine.logit_adds import OutputPenalties, SparseRow, bias_row
+from inference_service.engine.logit_adds import OutputPenalties, SparseRow, bias_row, early_bias
 from inference_service.engine.request import Request
 from inference_service.sampling import SamplingParams
 
@@ -40,15 +40,21 @@ class Sequence:
     # A constrained request's grammar matcher (engine/grammars.py), at the end of its output
     matcher: object | None = None
     bias: SparseRow | None = None  # its logit bias (engine/logit_adds.py)
+    early_bias: SparseRow | None = None  # the same with its ends banned, before its output holds min_tokens
     penalties: OutputPenalties | None = None  # its presence and frequency penalties, as its output grows
 
     @classmethod
     def of(
-        cls, request: Request, generator: torch.Generator | None, digest: str | None, matcher: object | None
+        cls,
+        request: Request,
+        generator: torch.Generator | None,
+        digest: str | None,
+        matcher: object | None,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         """A submitted request's sequence: its own generator (seeded requests), grammar matcher
         (constrained ones) and logit bias and penalties (where it asks for them) for its whole
-        life, and the adapter content it keeps."""
+        life, and the adapter content it keeps; `eos_token_ids` are among the ends min_tokens bans."""
         params, adapter = request.params, request.adapter
         prompt = list(request.prompt_token_ids)
         return cls(
@@ -60,8 +66,14 @@ class Sequence:
             generator=generator,
             matcher=matcher,
             bias=bias_row(params),
+            early_bias=early_bias(params, eos_token_ids),
             penalties=OutputPenalties.of(params),
         )
+
+    @property
+    def step_bias(self) -> SparseRow | None:
+        """Its logit bias at this step: with its ends banned while its output is short of min_tokens."""
+        return self.early_bias if len(self.output_token_ids) < self.params.min_tokens else self.bias
 
     @property
     def token_ids(self) -> list[int]:

@@ -22,7 +22,7 @@ def sample_sequences(
         [s.params for s in seqs],
         [s.generator for s in seqs],
         histories,
-        [s.bias for s in seqs],
+        [s.step_bias for s in seqs],
         penalties,
         logits.device,
     )

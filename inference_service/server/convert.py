@@ -15,6 +15,7 @@ from shared.pb.loramux.inference.v1 import inference_pb2 as pb
 MAX_REQUEST_ID_CHARS = 256  # a label for the caller's logs; longer than any id scheme writes
 OPTIONAL_SAMPLING = (
     "max_tokens",
+    "min_tokens",
     "temperature",
     "top_k",
     "top_p",

@@ -100,6 +100,7 @@ FIELDS = {
     "adapter": (st.just(""), st.one_of(st.sampled_from(["ghost", "name\n", "../x", "a" * 129]), TEXT)),
     "input": (SANE_INPUT, HOSTILE_INPUT),
     "max_tokens": (st.integers(1, 40), INT32),
+    "min_tokens": (st.integers(0, 4), INT32),
     "temperature": (st.floats(0, 2), FLOATS),
     "top_k": (st.integers(0, 100), INT32),
     "top_p": (st.floats(0.01, 1), FLOATS),

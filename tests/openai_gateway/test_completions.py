@@ -201,6 +201,20 @@ def test_logit_bias_bans_and_forces_tokens_as_the_sdk_does(client, sdk):
         assert got.text == expected.text and check(expected.token_ids), (bias, expected.token_ids)
 
 
+def test_min_tokens_holds_back_an_eos_the_bias_draws_as_the_sdk_does(client, sdk, base_name):
+    """vLLM's min_tokens: with EOS biased to be every step's greedy token, the reply ends right after
+    min_tokens, the same through the gateway as through the SDK."""
+    eos = sdk.model_info().eos_token_ids[0]
+    ask = dict(prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = sdk.complete(**ask, logit_bias={eos: 100}, min_tokens=5)
+    got = client.completions.create(
+        model=base_name, **ask, logit_bias={str(eos): 100}, extra_body={"min_tokens": 5}
+    )
+    assert expected.completion_tokens == 6 and expected.token_ids[5] == eos
+    assert (got.choices[0].text, got.usage.completion_tokens) == (expected.text, 6)
+    assert got.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
 def test_presence_and_frequency_penalties_turn_a_repeating_text_as_the_sdk_does(
     client, sdk, base_name, penalty
