@@ -108,7 +108,8 @@ def generate_request(
 
     `sampling` takes SamplingParams' fields: max_tokens, min_tokens, temperature, top_k, top_p, min_p,
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed,
-    stop, stop_token_ids, ignore_eos, logprobs, max_tokens_to_limit;
+    stop, stop_token_ids, ignore_eos, skip_special_tokens, include_stop_str_in_output, logprobs,
+    max_tokens_to_limit;
     and at most one output constraint (ValueError naming them when more are given): json_schema
     (a dict or its JSON text), json_object=True (any JSON object), regex (the whole output
     matches it), choice (a list of strings: the output is one of them) or grammar (Lark, or

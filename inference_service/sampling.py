@@ -101,6 +101,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The output's text: special tokens left out (a tool-call format's opening one aside), and a
+    # stop string that ends it left out too unless include_stop_str_in_output (vLLM's options)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     logprobs: int = 0  # how many top logprobs to return per token
     structured: Structured | None = None  # a constraint the output follows
 
@@ -143,6 +147,8 @@ _CHECKS = {  # field: (is the value valid, what is allowed)
     "stop": (lambda v: all(isinstance(s, str) and s for s in v), "a list of non-empty strings"),
     "stop_token_ids": (lambda v: all(_is_int(i) and i >= 0 for i in v), "a list of integers >= 0"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "a bool"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "a bool"),
     "logprobs": (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in 0..{MAX_LOGPROBS}"),
     "structured": (lambda v: v is None or isinstance(v, Structured), "None or a Structured"),
 }

@@ -3,7 +3,8 @@
 OpenAI refuses arguments it does not know ("Unrecognized request argument supplied: x"); so do we,
 and we also refuse the OpenAI parameters we do not implement unless they hold their neutral value,
 so a request never gets silently different sampling than it asked for. top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, min_tokens and (chat) chat_template_kwargs,
+repetition_penalty, ignore_eos, stop_token_ids, min_tokens, skip_special_tokens,
+include_stop_str_in_output and (chat) chat_template_kwargs,
 continue_final_message and add_generation_prompt are accepted as extensions (vLLM's extra_body).
 """
 
@@ -132,6 +133,8 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Output constraints: OpenAI's, and vLLM's extension.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -188,6 +191,8 @@ class Sampling(BaseModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
         }

@@ -16,10 +16,12 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """One request's output text, released delta by delta; stop strings cut it and are never released.
+    """One request's output text, released delta by delta; stop strings cut it, and are released
+    only where `include_stop` says so (vLLM's include_stop_str_in_output).
 
     Concatenating every push() delta and finish() gives `tokenizer.decode(generated_ids)`, cut just
-    before the first stop string (the one whose last character comes first in the text).
+    before the first stop string (the one whose last character comes first in the text), or just
+    after it with `include_stop`.
     """
 
     def __init__(
@@ -28,11 +30,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ):
         if any(not s for s in stop):
             raise InvalidArgument("stop strings must not be empty")
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._skip_special_tokens, self._include_stop = skip_special_tokens, include_stop
         self._stop = _StopMatcher(tuple(stop))
         self._window = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._read = len(self._window)  # window[:read] is already released (or prompt)
@@ -86,9 +89,9 @@ class IncrementalDetokenizer:
         cut = self._stop.feed(new_text)
         if cut is not None:
             end, self._stop_string = cut
-            start = len(self._held) + end - len(self._stop_string)
+            end += len(self._held)  # in text
             self._held = ""
-            return text[:start]
+            return text[: end if self._include_stop else end - len(self._stop_string)]
         keep = self._stop.open
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]

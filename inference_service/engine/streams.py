@@ -35,7 +35,14 @@ class Streams:
         id already in flight."""
         detokenizer = None
         if self._tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self._tokenizer, seq.prompt_token_ids, seq.params.stop)
+            params = seq.params
+            detokenizer = IncrementalDetokenizer(
+                self._tokenizer,
+                seq.prompt_token_ids,
+                params.stop,
+                params.skip_special_tokens,
+                params.include_stop_str_in_output,
+            )
         with self._lock:  # a submit either lands before the engine dies or sees it dead
             if self._closed_by is not None:
                 raise self._closed_by

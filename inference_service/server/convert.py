@@ -24,6 +24,7 @@ OPTIONAL_SAMPLING = (
     "presence_penalty",
     "frequency_penalty",
     "seed",
+    "skip_special_tokens",
 )
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -79,6 +80,7 @@ def sampling(message: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         logit_bias=tuple(sorted(message.logit_bias.items())),
         ignore_eos=message.ignore_eos,
+        include_stop_str_in_output=message.include_stop_str_in_output,
         logprobs=message.logprobs,
         structured=structured(message),
     )

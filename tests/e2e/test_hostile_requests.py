@@ -122,6 +122,8 @@ FIELDS = {
     ),
     "stop_token_ids": (st.lists(st.integers(0, 60_000), max_size=8), st.lists(INT32, max_size=70)),
     "ignore_eos": (st.booleans(), st.booleans()),
+    "skip_special_tokens": (st.booleans(), st.booleans()),
+    "include_stop_str_in_output": (st.booleans(), st.booleans()),
     "logprobs": (st.integers(0, 20), INT32),
     "structured": (SANE_STRUCTURED, HOSTILE_STRUCTURED),  # one of SamplingParams' oneof fields
 }

@@ -215,6 +215,33 @@ def test_min_tokens_holds_back_an_eos_the_bias_draws_as_the_sdk_does(client, sdk
     assert got.choices[0].finish_reason == "stop"
 
 
+def test_an_included_stop_string_ends_the_text_as_the_sdk_has_it(client, sdk, base_name):
+    """vLLM's include_stop_str_in_output: the stop string that ended the text stays at its end;
+    without it the text ends just before."""
+    ask = dict(prompt=PROMPT, max_tokens=12, temperature=0)
+    plain = sdk.complete(**ask).text
+    stop = plain[4:8]
+    at = plain.index(stop)
+    for include, text in ((True, plain[: at + len(stop)]), (False, plain[:at])):
+        expected = sdk.complete(**ask, stop=[stop], include_stop_str_in_output=include)
+        got = client.completions.create(
+            model=base_name, **ask, stop=[stop], extra_body={"include_stop_str_in_output": include}
+        ).choices[0]
+        assert got.text == expected.text == text and got.finish_reason == "stop"
+
+
+def test_special_tokens_stay_in_the_text_when_asked_as_the_sdk_has_it(client, sdk, base_name):
+    """vLLM's skip_special_tokens: a special token the bias forces is in the text only with false;
+    the token ids carry it either way."""
+    ask = dict(prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={1: 100})
+    for skip, text in ((True, ""), (False, "<|im_start|>" * 3)):
+        expected = sdk.complete(**ask, skip_special_tokens=skip)
+        got = client.completions.create(
+            model=base_name, **{**ask, "logit_bias": {"1": 100}}, extra_body={"skip_special_tokens": skip}
+        ).choices[0]
+        assert got.text == expected.text == text and expected.token_ids == [1] * 3
+
+
 @pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
 def test_presence_and_frequency_penalties_turn_a_repeating_text_as_the_sdk_does(
     client, sdk, base_name, penalty

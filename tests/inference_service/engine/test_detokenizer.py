@@ -103,6 +103,11 @@ def test_multi_token_stop(tokenizer):
     assert detok.stop_string == "STOP HERE"
 
 
+def test_an_included_stop_string_ends_the_text_and_nothing_follows(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("lo wo",), include_stop=True)
+    assert "".join(stream(detok, generated(tokenizer, "Hello world, and more"))) == "Hello wo"
+
+
 def test_stop_spanning_a_token_boundary(tokenizer):
     detok, out = stop_case(tokenizer, "Hello world", ("lo wo",))
     assert out == "Hel"
@@ -190,12 +195,14 @@ def cut_at_first_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None
     text=st.text(alphabet="ab \n", max_size=40),
     stop=st.lists(st.text(alphabet="ab \n", min_size=1, max_size=6), max_size=4),
     per_char=st.booleans(),
+    include=st.booleans(),
 )
-def test_stop_cut_is_the_whole_text_search_whatever_the_pieces(tokenizer, text, stop, per_char):
+def test_stop_cut_is_the_whole_text_search_whatever_the_pieces(tokenizer, text, stop, per_char, include):
+    """With include_stop (vLLM's include_stop_str_in_output) the cut comes after the stop string."""
     ids = [t for ch in text for t in generated(tokenizer, ch)] if per_char else generated(tokenizer, text)
-    detok = IncrementalDetokenizer(tokenizer, [], stop=tuple(stop))
+    detok = IncrementalDetokenizer(tokenizer, [], stop=tuple(stop), include_stop=include)
     expected, stop_string = cut_at_first_stop(tokenizer.decode(ids), tuple(stop))
-    assert "".join(stream(detok, ids)) == expected
+    assert "".join(stream(detok, ids)) == expected + (stop_string or "" if include else "")
     assert detok.stop_string == stop_string
 
 
