@@ -88,7 +88,7 @@ def _is_real(v: object) -> bool:
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before it holds this many
+    min_tokens: int = 0  # no EOS, stop_token_ids or stop string ends the output before it holds this many
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0

@@ -21,7 +21,8 @@ class IncrementalDetokenizer:
 
     Concatenating every push() delta and finish() gives `tokenizer.decode(generated_ids)`, cut just
     before the first stop string (the one whose last character comes first in the text), or just
-    after it with `include_stop`.
+    after it with `include_stop`. A stop string whose text arrives before the output holds
+    `min_tokens` tokens does not end it (as vLLM's stop checks wait for min_tokens).
     """
 
     def __init__(
@@ -31,11 +32,13 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ):
         if any(not s for s in stop):
             raise InvalidArgument("stop strings must not be empty")
         self._tokenizer = tokenizer
         self._skip_special_tokens, self._include_stop = skip_special_tokens, include_stop
+        self._min_tokens, self._pushed = min_tokens, 0  # tokens pushed so far
         self._stop = _StopMatcher(tuple(stop))
         self._window = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._read = len(self._window)  # window[:read] is already released (or prompt)
@@ -56,6 +59,7 @@ class IncrementalDetokenizer:
         """The text that generating `token_id` makes final; "" while a character or stop match is open."""
         if self.stopped:
             return ""
+        self._pushed += 1
         self._window.append(token_id)
         text = self._decode(self._window)
         if text.endswith(REPLACEMENT_CHAR) or len(text) <= len(self._read_text):
@@ -86,7 +90,7 @@ class IncrementalDetokenizer:
         """The part of held + new text known to be output; keeps back a possible stop-string start.
         Costs O(held + new text): a stop string that ends here started within them."""
         text = self._held + new_text
-        cut = self._stop.feed(new_text)
+        cut = self._first_stop(new_text)
         if cut is not None:
             end, self._stop_string = cut
             end += len(self._held)  # in text
@@ -95,6 +99,16 @@ class IncrementalDetokenizer:
         keep = self._stop.open
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
+
+    def _first_stop(self, new_text: str) -> tuple[int, str] | None:
+        """(end in new_text, s) of the first stop string s ending in it that may end the output;
+        before the output holds min_tokens tokens, none may, and the search goes on past each."""
+        at = 0
+        while (cut := self._stop.feed(new_text[at:])) is not None:
+            if self._pushed >= self._min_tokens:
+                return at + cut[0], cut[1]
+            at += cut[0]
+        return None
 
 
 class _StopMatcher:

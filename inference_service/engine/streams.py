@@ -42,6 +42,7 @@ class Streams:
                 params.stop,
                 params.skip_special_tokens,
                 params.include_stop_str_in_output,
+                params.min_tokens,
             )
         with self._lock:  # a submit either lands before the engine dies or sees it dead
             if self._closed_by is not None:

@@ -211,3 +211,50 @@ def test_text_is_held_back_no_longer_than_a_stop_string_could_start(tokenizer):
     ids = [t for _ in range(50) for t in generated(tokenizer, "a")]
     assert "".join(detok.push(i) for i in ids) == "a" * 42
     assert detok.finish() == "a" * 8
+
+
+@pytest.mark.parametrize("min_tokens, out", [(0, "a"), (4, "a"), (5, "a###b"), (9, "a###b###c")])
+def test_a_stop_string_before_min_tokens_does_not_end_the_text(tokenizer, min_tokens, out):
+    """One token a character: the first ### arrives with the 4th token, the second with the 8th."""
+    ids = [t for ch in "a###b###c" for t in generated(tokenizer, ch)]
+    assert len(ids) == 9
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("###",), min_tokens=min_tokens)
+    assert "".join(stream(detok, ids)) == out and detok.stopped == (min_tokens < 9)
+
+
+def test_the_search_goes_on_past_a_stop_before_min_tokens_within_one_token(tokenizer):
+    """One token writes "abc": its "ab" comes before min_tokens and is passed over, and the "c"
+    after it starts "cd", which the next token's "d" ends."""
+    ids = generated(tokenizer, "abc") + generated(tokenizer, "d")
+    assert len(ids) == 2
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("ab", "cd"), min_tokens=2)
+    assert "".join(stream(detok, ids)) == "ab" and detok.stop_string == "cd"
+
+
+def cut_at_first_stop_from(text: str, stop: tuple[str, ...], first_end: int) -> str:
+    """The reference: the stop string that ends first at or past `first_end`, every occurrence
+    searched in the whole text, the longer on a tie; the text before it."""
+    hits = [
+        (i + len(s), -len(s), s)
+        for s in stop
+        for i in range(len(text) - len(s) + 1)
+        if text.startswith(s, i) and i + len(s) >= first_end
+    ]
+    return text[: min(hits)[0] - len(min(hits)[2])] if hits else text
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet="ab \n", max_size=40),
+    stop=st.lists(st.text(alphabet="ab \n", min_size=1, max_size=6), max_size=4),
+    min_tokens=st.integers(0, 40),
+)
+def test_stops_that_end_before_min_tokens_are_passed_over_whatever_the_text(
+    tokenizer, text, stop, min_tokens
+):
+    """One token a character, so the text's n-th character arrives with the n-th token."""
+    ids = [t for ch in text for t in generated(tokenizer, ch)]
+    detok = IncrementalDetokenizer(tokenizer, [], stop=tuple(stop), min_tokens=min_tokens)
+    assert "".join(stream(detok, ids)) == cut_at_first_stop_from(
+        tokenizer.decode(ids), tuple(stop), min_tokens
+    )

@@ -1,8 +1,9 @@
 """min_tokens (vLLM's): EOS and a request's stop token ids cannot end its output before it holds
-that many tokens. On the tiny llama with the default model's tokenizer, a bias of +100 makes every
-step's greedy token the end it names: the engine's tokens equal transformers' greedy generate with
-min_new_tokens and the same bias, and its requests end right after min_tokens. Refused where it
-cannot hold: past max_tokens, beside an output constraint."""
+that many tokens (nor its stop strings: test_detokenizer.py). On the tiny llama with the default
+model's tokenizer, a bias of +100 makes every step's greedy token the end it names: the engine's
+tokens equal transformers' greedy generate with min_new_tokens and the same bias, and its requests
+end right after min_tokens. Refused where it cannot hold: past max_tokens, beside an output
+constraint."""
 
 import pytest
 import torch
@@ -75,3 +76,16 @@ def test_the_requests_own_bias_holds_while_its_ends_wait(engine):
     )
     (out,) = engine.generate([Request(_prompt(engine), params=params)])
     assert out.token_ids == [17, 17, 17, eos]
+
+
+def test_a_stop_string_waits_for_min_tokens_too(engine):
+    """The text of the first greedy token as a stop string ends the output at once; with
+    min_tokens 3 it is passed over there, and the output runs on to at least 3 tokens."""
+    ask = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    (plain,) = engine.generate([Request(_prompt(engine), params=SamplingParams(**ask))])
+    first = engine.tokenizer.decode(plain.token_ids[:1])
+    outs = engine.generate(
+        [Request(_prompt(engine), params=SamplingParams(**ask, stop=[first], min_tokens=m)) for m in (0, 3)]
+    )
+    assert (outs[0].token_ids, outs[0].text) == (plain.token_ids[:1], "")
+    assert len(outs[1].token_ids) >= 3 and outs[1].text.startswith(first)
