@@ -140,15 +140,8 @@ class Engine:
         self._inbox.change(action, then=self._publish)
 
     def _publish(self) -> None:
-        runner = self.runner
-        stats = self.metrics.snapshot(
-            self.host.stats(),
-            self.memory.stats(),
-            self.scheduler.stats(),
-            self.grammars.stats(),
-            runner.ranks,
-            runner.parallel.seconds,
-        )
+        parts = (self.host.stats(), self.memory.stats(), self.scheduler.stats(), self.grammars.stats())
+        stats = self.metrics.snapshot(*parts, self.runner.ranks, self.runner.parallel.seconds)
         self._snapshot = Snapshot(stats, self.host.held(), self.memory.resident_digests())
 
     def _require_adapter(self, name: str) -> None:
@@ -174,7 +167,8 @@ class Engine:
         # the content it keeps to its end
         digest = self.loader.digest_of(request.adapter) if request.adapter is not None else None
         generator = generator_for(request.params, self.runner.device)
-        seq = Sequence.of(request, generator, digest, matcher, self.eos_token_ids)
+        vocab_size = self.runner.model_config.vocab_size
+        seq = Sequence.of(request, generator, digest, matcher, self.eos_token_ids, vocab_size)
         self.streams.open(seq, sink)
         self._inbox.post(lambda: self.scheduler.add(seq))
 

@@ -50,11 +50,13 @@ class Sequence:
         generator: torch.Generator | None,
         digest: str | None,
         matcher: object | None,
-        eos_token_ids: tuple[int, ...] = (),
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
     ):
         """A submitted request's sequence: its own generator (seeded requests), grammar matcher
         (constrained ones) and logit bias and penalties (where it asks for them) for its whole
-        life, and the adapter content it keeps; `eos_token_ids` are among the ends min_tokens bans."""
+        life, and the adapter content it keeps; `eos_token_ids` are among the ends min_tokens
+        bans, those of its vocabulary of `vocab_size` tokens."""
         params, adapter = request.params, request.adapter
         prompt = list(request.prompt_token_ids)
         return cls(
@@ -66,7 +68,7 @@ class Sequence:
             generator=generator,
             matcher=matcher,
             bias=bias_row(params),
-            early_bias=early_bias(params, eos_token_ids),
+            early_bias=early_bias(params, eos_token_ids, vocab_size),
             penalties=OutputPenalties.of(params),
         )
 

@@ -89,3 +89,12 @@ def test_a_stop_string_waits_for_min_tokens_too(engine):
     )
     assert (outs[0].token_ids, outs[0].text) == (plain.token_ids[:1], "")
     assert len(outs[1].token_ids) >= 3 and outs[1].text.startswith(first)
+
+
+def test_a_stop_token_id_past_the_vocabulary_has_nothing_to_ban(engine):
+    """It can never be drawn, so it is no end to hold back: the request is served (banning it
+    indexed past the logits and ended the engine)."""
+    vocab = engine.runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=4, min_tokens=2, temperature=0, stop_token_ids=[vocab, 2**31 - 1])
+    (out,) = engine.generate([Request(_prompt(engine), params=params)])
+    assert len(out.token_ids) >= 2 and out.finish_reason in ("stop", "length")
