@@ -163,93 +163,6 @@ def _mistral_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, c
     return _lark(lines + _function_rules(tools, arguments, "arguments"))
 
 
-def _xml_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
-    """Qwen3-Coder's blocks among free text, as Hermes' are: <tool_call>\\n<function=NAME>\\n, then
-    each parameter <parameter=KEY>\\nVALUE\\n</parameter>\\n in its schema's order (the required
-    ones always), then </function>\\n</tool_call> (no call token)."""
-    return _tagged_grammar(XML_TAGS, tools, arguments, parallel)
-
-
-def _glm_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
-    """GLM-4.5's blocks among free text: <tool_call>NAME\\n, then each parameter
-    <arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n in its schema's order (the required
-    ones always), then </tool_call> (no call token)."""
-    return _tagged_grammar(GLM_TAGS, tools, arguments, parallel)
-
-
-def _tagged_grammar(tags: "ParameterTags", tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
-    """Blocks among free text whose calls write each parameter in tags. A string's value is any text
-    (one of its enum, where it has one), a boolean's true or false, any other value JSON of its
-    schema."""
-    key_head, key_tail = tags.parameter.split("{key}")
-    lines = [
-        *_blocks_among_text(parallel),
-        tags.call_rule.format(functions=_functions(tools)),
-        rf"KEY: /[^{tags.unwritable_in_keys}]+/",
-        f"text_value[lazy]: TEXT {json.dumps(tags.value_end)}",
-        f"any_parameter: {json.dumps(key_head)} KEY {json.dumps(key_tail)} text_value",
-    ]
-    for i, (tool, schema) in enumerate(zip(tools, arguments, strict=True)):
-        lines += _tagged_function_rules(tags, i, tool.function.name, schema)
-    return _lark(lines)
-
-
-def _blocks_among_text(parallel: bool) -> list[str]:
-    """The rules of calls in <tool_call> blocks among free text, each block left free until the
-    model writes its opening tag; the format's `call` rule says what the block holds."""
-    return [
-        "%llguidance {}",
-        "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
-        r"TEXT: /(.|\n)*/",
-        r"SPACE: /\s*/",
-        'opening[lazy]: TEXT "<tool_call>"',
-    ]
-
-
-def _lark(lines: list[str]) -> dict:
-    return {"grammar": "\n".join(lines) + "\n"}
-
-
-def _tagged_function_rules(tags: "ParameterTags", i: int, name: str, schema: dict) -> list[str]:
-    """function_i: tool i's name and parameters; any parameters, each a text, where its schema is
-    not an object of named properties that the tags can hold one by one."""
-    opening = json.dumps(tags.function.format(name=name))  # a Lark string is a JSON string
-    properties, required = schema.get("properties"), schema.get("required", [])
-    if not _tags_hold(tags, properties, required) or TAGS_UNHELD & schema.keys():
-        return [f"function_{i}: {opening} any_parameter*"]
-    defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs name
-    rules, parts = [], []
-    for j, (key, sub) in enumerate(properties.items()):
-        rule, tag = f"parameter_{i}_{j}", json.dumps(tags.parameter.format(key=key))
-        parts.append(rule if key in required else f"{rule}?")
-        rules.append(f"{rule}: {tag} {_tagged_value(tags, sub, defs)}")
-    return [f"function_{i}: {opening} {' '.join(parts)}", *rules]
-
-
-def _tags_hold(tags: "ParameterTags", properties: object, required: object) -> bool:
-    """Whether the tags can hold these properties one by one: named properties, each name one tag
-    can carry, and a list of the required names. (A property's schema that is not one is the
-    grammar engine's to refuse.)"""
-    writable = isinstance(properties, dict) and all(map(tags.writes, properties))
-    return writable and isinstance(required, list)
-
-
-def _tagged_value(tags: "ParameterTags", schema: object, defs: dict) -> str:
-    """The grammar of a parameter's value and the tag that closes it."""
-    end = json.dumps(tags.value_end)
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    enum = schema.get("enum") if kinds == ["string"] else None
-    if isinstance(enum, list) and all(isinstance(v, str) for v in enum):
-        return f"({' | '.join(json.dumps(v) for v in enum)}) {end}"
-    if "string" in kinds:
-        return "text_value"  # the parser reads it as text (or null, where the schema allows it)
-    if kinds == ["boolean"]:
-        return f'("true" | "false" | "True" | "False") {end}'  # Python's too, as Qwen3-Coder's writes them
-    held = {**schema, **defs} if isinstance(schema, dict) else schema
-    return f"%json {_json(_compact(held) if isinstance(held, dict) else held)} {end}"
-
-
 @dataclass(frozen=True)
 class ParameterTags:
     """How a format of <tool_call> blocks writes a call in tags: the block after its opening tag
@@ -285,6 +198,93 @@ GLM_TAGS = ParameterTags(
     value_end="</arg_value>\n",
     unwritable="<\n",
 )
+
+
+def _xml_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
+    """Qwen3-Coder's blocks among free text, as Hermes' are: <tool_call>\\n<function=NAME>\\n, then
+    each parameter <parameter=KEY>\\nVALUE\\n</parameter>\\n in its schema's order (the required
+    ones always), then </function>\\n</tool_call> (no call token)."""
+    return _tagged_grammar(XML_TAGS, tools, arguments, parallel)
+
+
+def _glm_grammar(tools: list[Tool], arguments: list[dict], parallel: bool, call_token: None) -> dict:
+    """GLM-4.5's blocks among free text: <tool_call>NAME\\n, then each parameter
+    <arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n in its schema's order (the required
+    ones always), then </tool_call> (no call token)."""
+    return _tagged_grammar(GLM_TAGS, tools, arguments, parallel)
+
+
+def _tagged_grammar(tags: ParameterTags, tools: list[Tool], arguments: list[dict], parallel: bool) -> dict:
+    """Blocks among free text whose calls write each parameter in tags. A string's value is any text
+    (one of its enum, where it has one), a boolean's true or false, any other value JSON of its
+    schema."""
+    key_head, key_tail = tags.parameter.split("{key}")
+    lines = [
+        *_blocks_among_text(parallel),
+        tags.call_rule.format(functions=_functions(tools)),
+        rf"KEY: /[^{tags.unwritable_in_keys}]+/",
+        f"text_value[lazy]: TEXT {json.dumps(tags.value_end)}",
+        f"any_parameter: {json.dumps(key_head)} KEY {json.dumps(key_tail)} text_value",
+    ]
+    for i, (tool, schema) in enumerate(zip(tools, arguments, strict=True)):
+        lines += _tagged_function_rules(tags, i, tool.function.name, schema)
+    return _lark(lines)
+
+
+def _blocks_among_text(parallel: bool) -> list[str]:
+    """The rules of calls in <tool_call> blocks among free text, each block left free until the
+    model writes its opening tag; the format's `call` rule says what the block holds."""
+    return [
+        "%llguidance {}",
+        "start: call* TEXT" if parallel else "start: TEXT | call SPACE",  # nothing but space after one
+        r"TEXT: /(.|\n)*/",
+        r"SPACE: /\s*/",
+        'opening[lazy]: TEXT "<tool_call>"',
+    ]
+
+
+def _lark(lines: list[str]) -> dict:
+    return {"grammar": "\n".join(lines) + "\n"}
+
+
+def _tagged_function_rules(tags: ParameterTags, i: int, name: str, schema: dict) -> list[str]:
+    """function_i: tool i's name and parameters; any parameters, each a text, where its schema is
+    not an object of named properties that the tags can hold one by one."""
+    opening = json.dumps(tags.function.format(name=name))  # a Lark string is a JSON string
+    properties, required = schema.get("properties"), schema.get("required", [])
+    if not _tags_hold(tags, properties, required) or TAGS_UNHELD & schema.keys():
+        return [f"function_{i}: {opening} any_parameter*"]
+    defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs name
+    rules, parts = [], []
+    for j, (key, sub) in enumerate(properties.items()):
+        rule, tag = f"parameter_{i}_{j}", json.dumps(tags.parameter.format(key=key))
+        parts.append(rule if key in required else f"{rule}?")
+        rules.append(f"{rule}: {tag} {_tagged_value(tags, sub, defs)}")
+    return [f"function_{i}: {opening} {' '.join(parts)}", *rules]
+
+
+def _tags_hold(tags: ParameterTags, properties: object, required: object) -> bool:
+    """Whether the tags can hold these properties one by one: named properties, each name one tag
+    can carry, and a list of the required names. (A property's schema that is not one is the
+    grammar engine's to refuse.)"""
+    writable = isinstance(properties, dict) and all(map(tags.writes, properties))
+    return writable and isinstance(required, list)
+
+
+def _tagged_value(tags: ParameterTags, schema: object, defs: dict) -> str:
+    """The grammar of a parameter's value and the tag that closes it."""
+    end = json.dumps(tags.value_end)
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    enum = schema.get("enum") if kinds == ["string"] else None
+    if isinstance(enum, list) and all(isinstance(v, str) for v in enum):
+        return f"({' | '.join(json.dumps(v) for v in enum)}) {end}"
+    if "string" in kinds:
+        return "text_value"  # the parser reads it as text (or null, where the schema allows it)
+    if kinds == ["boolean"]:
+        return f'("true" | "false" | "True" | "False") {end}'  # Python's too, as Qwen3-Coder's writes them
+    held = {**schema, **defs} if isinstance(schema, dict) else schema
+    return f"%json {_json(_compact(held) if isinstance(held, dict) else held)} {end}"
 
 
 def _functions(tools: list[Tool]) -> str:

@@ -29,13 +29,14 @@ def bias_row(params: SamplingParams) -> SparseRow | None:
     return SparseRow(np.array(ids, dtype=np.int64), np.array(values, dtype=np.float32))
 
 
-def early_bias(params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> SparseRow | None:
-    """The logit bias of a request's first min_tokens tokens: its own, and its ends banned (its
-    stop token ids, and EOS unless it ignores EOS); None without min_tokens. A stop token id past
-    the vocabulary is never drawn: there is no logit to ban."""
+def early_bias(
+    own: SparseRow | None, params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int
+) -> SparseRow | None:
+    """The logit bias of a request's first min_tokens tokens: its own (`own`, bias_row's), and its
+    ends banned (its stop token ids, and EOS unless it ignores EOS); `own` where it bans none. A
+    stop token id past the vocabulary is never drawn: there is no logit to ban."""
     stops = {i for i in params.stop_token_ids if i < vocab_size}
     ends = stops | (set() if params.ignore_eos else set(eos_token_ids))
-    own = bias_row(params)
     if not (params.min_tokens and ends):
         return own
     ids = np.array(sorted(ends), dtype=np.int64)  # [e]

@@ -58,7 +58,7 @@ class Sequence:
         life, and the adapter content it keeps; `eos_token_ids` are among the ends min_tokens
         bans, those of its vocabulary of `vocab_size` tokens."""
         params, adapter = request.params, request.adapter
-        prompt = list(request.prompt_token_ids)
+        prompt, bias = list(request.prompt_token_ids), bias_row(params)
         return cls(
             request.request_id,
             prompt,
@@ -67,8 +67,8 @@ class Sequence:
             digest,
             generator=generator,
             matcher=matcher,
-            bias=bias_row(params),
-            early_bias=early_bias(params, eos_token_ids, vocab_size),
+            bias=bias,
+            early_bias=early_bias(bias, params, eos_token_ids, vocab_size),
             penalties=OutputPenalties.of(params),
         )
 
